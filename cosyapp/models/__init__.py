@@ -1,0 +1,1 @@
+"""CosyVoice 2 networks in plain PyTorch, named so the official checkpoints load with strict=True."""

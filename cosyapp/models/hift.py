@@ -1,0 +1,299 @@
+"""HiFT vocoder of CosyVoice 2: mel (B, 80, F) -> 24 kHz waveform (B, 480*F).
+
+F0 predictor -> harmonic neural source (SineGen2) -> HiFi-GAN body fed with the source's STFT ->
+iSTFT -> clamp. Module names follow the official `hift.pt`, so
+`HiFTGenerator().load_state_dict(state_dict, strict=True)` works on it.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.parametrizations import weight_norm
+
+
+def _same_padding(kernel_size: int, dilation: int = 1) -> int:
+    return dilation * (kernel_size - 1) // 2
+
+
+def _periodic_hann(n_fft: int) -> Tensor:
+    # Computed in float64 then cast, like upstream's scipy get_window("hann", n, fftbins=True).
+    # Explicit CPU so the model can be built under `torch.device("meta")`.
+    return torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").to(torch.float32)
+
+
+class Snake(nn.Module):
+    """Snake activation x + sin^2(alpha*x)/alpha with a per-channel alpha (linear scale).
+
+    Takes and returns (B, C, T).
+    """
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha[None, :, None]
+        # Reciprocal-then-multiply (not a division) as upstream, for bitwise parity.
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Three residual (Snake -> dilated conv -> Snake -> conv) units; (B, C, T) -> (B, C, T)."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(
+                nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=_same_padding(kernel_size, d))
+            )
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=_same_padding(kernel_size)))
+            for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for act1, conv1, act2, conv2 in zip(
+            self.activations1, self.convs1, self.activations2, self.convs2, strict=True
+        ):
+            x = x + conv2(act2(conv1(act1(x))))
+        return x
+
+
+class ConvRNNF0Predictor(nn.Module):
+    """Per-frame F0 in Hz from a mel: (B, in_channels, F) -> (B, F), always >= 0."""
+
+    def __init__(self, num_class: int = 1, in_channels: int = 80, cond_channels: int = 512):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            conv = nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)
+            layers += [weight_norm(conv), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        x = self.condnet(mel).transpose(1, 2)
+        return torch.abs(self.classifier(x).squeeze(-1))
+
+
+class SineGen2(nn.Module):
+    """Harmonic sines plus noise from a sample-rate F0 track (upstream's "type 2" sine generator).
+
+    Takes f0 (B, L, 1) in Hz with L a multiple of `upsample_scale`; returns (B, L, harmonic_num + 1).
+    Draws, in this order from the default generator of f0's device: rand(B, H+1) initial phases and
+    randn(B, L, H+1) noise.
+    """
+
+    def __init__(
+        self,
+        sampling_rate: int,
+        upsample_scale: int,
+        harmonic_num: int,
+        sine_amp: float,
+        noise_std: float,
+        voiced_threshold: float,
+    ):
+        super().__init__()
+        self.sampling_rate = sampling_rate
+        self.upsample_scale = upsample_scale
+        self.harmonic_num = harmonic_num
+        self.sine_amp = sine_amp
+        self.noise_std = noise_std
+        self.voiced_threshold = voiced_threshold
+
+    def _phase(self, freqs: Tensor) -> Tensor:
+        # Only the integer-free part of the per-sample increment matters: sin(2*pi*n) = 0.
+        increments = (freqs / self.sampling_rate) % 1
+        # The random initial phase lands on sample 0, which the frame-rate interpolation below never
+        # reads, so it has no effect; it is kept because it consumes RNG exactly as upstream does.
+        initial = torch.rand(freqs.shape[0], freqs.shape[2], device=freqs.device, dtype=freqs.dtype)
+        initial[:, 0] = 0
+        increments = torch.cat([increments[:, :1] + initial[:, None], increments[:, 1:]], dim=1)
+        # Accumulating at frame rate and interpolating the phase back keeps it continuous across
+        # frames with different F0 (no clicks at pitch changes), at 1/480 of the cumsum length.
+        frame_increments = F.interpolate(
+            increments.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear"
+        ).transpose(1, 2)
+        phase = torch.cumsum(frame_increments, dim=1) * 2 * math.pi
+        return F.interpolate(
+            phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear"
+        ).transpose(1, 2)
+
+    def forward(self, f0: Tensor) -> Tensor:
+        harmonics = torch.arange(1, self.harmonic_num + 2, device=f0.device, dtype=f0.dtype)
+        sines = torch.sin(self._phase(f0 * harmonics)) * self.sine_amp
+        voiced = (f0 > self.voiced_threshold).to(f0.dtype)
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        # `sines` is a transposed view in (B, H+1, L) memory order. randn_like keeps that layout (and on
+        # CPU a non-contiguous normal_ uses another sampler), so the noise matches upstream's draw only
+        # while `sines` stays this view: making it contiguous would change the audio for a given seed.
+        noise = noise_amp * torch.randn_like(sines)
+        return sines * voiced + noise
+
+
+class SourceModuleHnNSF(nn.Module):
+    """Neural source: harmonics merged by a Linear(H+1 -> 1) and tanh; f0 (B, L, 1) -> (B, L, 1)."""
+
+    def __init__(
+        self,
+        sampling_rate: int,
+        upsample_scale: int,
+        harmonic_num: int,
+        sine_amp: float,
+        noise_std: float,
+        voiced_threshold: float,
+    ):
+        super().__init__()
+        self.sine_amp = sine_amp
+        self.l_sin_gen = SineGen2(
+            sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold
+        )
+        self.l_linear = nn.Linear(harmonic_num + 1, 1)
+
+    def forward(self, f0: Tensor) -> Tensor:
+        excitation = self.l_sin_gen(f0)
+        merged = torch.tanh(self.l_linear(excitation))
+        # Upstream also returns a noise branch nobody uses; drawing it keeps the RNG stream in step.
+        torch.randn_like(f0)
+        return merged
+
+
+class HiFTGenerator(nn.Module):
+    """CosyVoice 2 vocoder. forward(mel (B, 80, F), cache_source) -> (speech (B, 480F), source (B, 1, 480F)).
+
+    Keyword names mirror the upstream yaml (`istft_params` is split into `istft_n_fft`/`istft_hop_len`);
+    defaults are the official CosyVoice2-0.5B values.
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 80,
+        base_channels: int = 512,
+        nb_harmonics: int = 8,
+        sampling_rate: int = 24000,
+        nsf_alpha: float = 0.1,
+        nsf_sigma: float = 0.003,
+        nsf_voiced_threshold: float = 10.0,
+        upsample_rates: Sequence[int] = (8, 5, 3),
+        upsample_kernel_sizes: Sequence[int] = (16, 11, 7),
+        istft_n_fft: int = 16,
+        istft_hop_len: int = 4,
+        resblock_kernel_sizes: Sequence[int] = (3, 7, 11),
+        resblock_dilation_sizes: Sequence[Sequence[int]] = ((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+        source_resblock_kernel_sizes: Sequence[int] = (7, 7, 11),
+        source_resblock_dilation_sizes: Sequence[Sequence[int]] = ((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+        lrelu_slope: float = 0.1,
+        audio_limit: float = 0.99,
+        f0_predictor: ConvRNNF0Predictor | None = None,
+    ):
+        super().__init__()
+        self.n_fft = istft_n_fft
+        self.hop_len = istft_hop_len
+        self.lrelu_slope = lrelu_slope
+        self.audio_limit = audio_limit
+        self.upsample_scale = math.prod(upsample_rates) * istft_hop_len
+        self.num_kernels = len(resblock_kernel_sizes)
+        # Upstream picks SineGen (type 1) only at 22050 Hz; CosyVoice 2 runs at 24 kHz, so only
+        # SineGen2 is implemented.
+        self.m_source = SourceModuleHnNSF(
+            sampling_rate, self.upsample_scale, nb_harmonics, nsf_alpha, nsf_sigma, nsf_voiced_threshold
+        )
+        self.f0_predictor = (
+            ConvRNNF0Predictor(in_channels=in_channels) if f0_predictor is None else f0_predictor
+        )
+        self.conv_pre = weight_norm(nn.Conv1d(in_channels, base_channels, 7, padding=3))
+
+        stage_channels = [base_channels // 2 ** (i + 1) for i in range(len(upsample_rates))]
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(2 * ch, ch, k, u, padding=(k - u) // 2))
+            for ch, u, k in zip(stage_channels, upsample_rates, upsample_kernel_sizes, strict=True)
+        )
+        # The source STFT runs at the final frame rate; stage i sees it downsampled by the product
+        # of the upsample rates still to come.
+        stft_channels = istft_n_fft + 2
+        self.source_downs = nn.ModuleList()
+        for i, ch in enumerate(stage_channels):
+            rate = math.prod(upsample_rates[i + 1 :])
+            if rate == 1:
+                self.source_downs.append(nn.Conv1d(stft_channels, ch, 1))
+            else:
+                self.source_downs.append(nn.Conv1d(stft_channels, ch, 2 * rate, rate, padding=rate // 2))
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(ch, k, d)
+            for ch, k, d in zip(
+                stage_channels, source_resblock_kernel_sizes, source_resblock_dilation_sizes, strict=True
+            )
+        )
+        self.resblocks = nn.ModuleList(
+            ResBlock(ch, k, d)
+            for ch in stage_channels
+            for k, d in zip(resblock_kernel_sizes, resblock_dilation_sizes, strict=True)
+        )
+        self.conv_post = weight_norm(nn.Conv1d(stage_channels[-1], stft_channels, 7, padding=3))
+        # A plain attribute, not a buffer: checkpoints carry no window and strict loading must not
+        # expect one. Moved to the input's device in forward.
+        self.stft_window = _periodic_hann(istft_n_fft)
+
+    def _window(self, like: Tensor) -> Tensor:
+        return self.stft_window.to(device=like.device, dtype=like.dtype)
+
+    def _source(self, mel: Tensor) -> Tensor:
+        f0 = self.f0_predictor(mel)
+        f0 = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest")
+        return self.m_source(f0.transpose(1, 2)).transpose(1, 2)
+
+    def _stft(self, source: Tensor) -> Tensor:
+        spec = torch.stft(
+            source, self.n_fft, self.hop_len, self.n_fft, window=self._window(source), return_complex=True
+        )
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def _istft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
+        magnitude = torch.clamp(magnitude, max=1e2)
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return torch.istft(spec, self.n_fft, self.hop_len, self.n_fft, window=self._window(magnitude))
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """Waveform (B, 480F) from mel (B, 80, F) and source (B, 1, 480F), clamped to +-audio_limit."""
+        s_stft = self._stft(source.squeeze(1))
+        x = self.conv_pre(mel)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.lrelu_slope))
+            if i == len(self.ups) - 1:
+                # The last transposed conv yields one frame fewer than the STFT's L/hop + 1.
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            x = sum(block(x) for block in blocks) / self.num_kernels
+        # Default slope 0.01 here, not lrelu_slope: upstream calls leaky_relu without one.
+        x = self.conv_post(F.leaky_relu(x))
+        n_bins = self.n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :n_bins])
+        # sin() before using it as a phase is redundant but part of the trained model.
+        phase = torch.sin(x[:, n_bins:])
+        return torch.clamp(self._istft(magnitude, phase), -self.audio_limit, self.audio_limit)
+
+    def forward(self, speech_feat: Tensor, cache_source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Vocode a mel (upstream's `inference`).
+
+        speech_feat: (B, in_channels, F) log-mel. cache_source: optional (B, 1, c) source samples
+        from the previous streaming chunk; they replace the first c samples of the new source so its
+        phase continues. Returns (speech (B, 480F), source (B, 1, 480F)).
+        Unlike upstream, not decorated with inference_mode: the caller picks the grad mode.
+        """
+        source = self._source(speech_feat)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            c = cache_source.shape[2]
+            assert c <= source.shape[2], (
+                f"cache_source has {c} samples, the new source only {source.shape[2]}"
+            )
+            # Same values as upstream's in-place slice assignment, without mutating an autograd tensor.
+            source = torch.cat([cache_source.to(source.dtype), source[:, :, c:]], dim=2)
+        return self.decode(speech_feat, source), source

@@ -1,0 +1,90 @@
+"""Speech-token sampling of CosyVoice 2: nucleus + top-k draw with repetition-aware fallback (RAS).
+
+One batched function, ``ras_sample``, is used by every LM engine (plain PyTorch and vLLM), so all of
+them decode with upstream's rule (inference map, section 4.6, HEAD behaviour):
+
+1. before ``min_len`` generated tokens, the EOS logit (6561) is masked; 6562/6563 stay allowed;
+2. draw from the shortest prefix of the probability-sorted vocabulary whose mass reaches ``top_p``
+   (the token that crosses it is kept), capped at ``top_k`` tokens;
+3. if the drawn token occurs at least ``win_size * tau_r`` times among the last ``win_size``
+   generated tokens, mask it and redraw from the full distribution.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+SPEECH_TOKEN_SIZE = 6561
+EOS_TOKEN = 6561
+STOP_TOKENS = (6561, 6562, 6563)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The yaml's ``ras_sampling`` arguments plus the LM's length ratios (section 4.4)."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+    def length_limits(self, num_text_tokens: int) -> tuple[int, int]:
+        """(min_len, max_len) of generated speech tokens for a sentence of ``num_text_tokens``."""
+        return (int(num_text_tokens * self.min_token_text_ratio), int(num_text_tokens * self.max_token_text_ratio))
+
+
+def nucleus_keep_mask(probs: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sorted entries the nucleus keeps.
+
+    Takes probs (B, V). Returns (sorted_probs, sorted_ids, keep) where keep (B, V) is True for the
+    shortest sorted prefix whose cumulative mass reaches ``top_p``, capped at ``top_k`` entries.
+    """
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    keep = (mass_before < top_p) & (rank < top_k)
+    keep[:, 0] = True
+    return sorted_probs, sorted_ids, keep
+
+
+def ras_sample(
+    logits: torch.Tensor,
+    recent_tokens: torch.Tensor,
+    eos_allowed: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one speech token per row with upstream's RAS rule.
+
+    Takes logits (B, 6564) of ``llm_decoder``; ``recent_tokens`` (B, W) long, the last generated
+    tokens of each row (prompt tokens excluded), left-padded with -1 where a row has fewer than W
+    (see ``recent_window``);
+    ``eos_allowed`` (B,) bool, False while a row has generated fewer than ``min_len`` tokens.
+    Returns token ids (B,) long. Temperature is 1.
+    """
+    logp = logits.float().log_softmax(dim=-1)
+    logp[:, EOS_TOKEN] = torch.where(eos_allowed, logp[:, EOS_TOKEN], float("-inf"))
+
+    sorted_probs, sorted_ids, keep = nucleus_keep_mask(logp.exp(), params.top_p, params.top_k)
+    kept = torch.where(keep, sorted_probs, 0.0)
+    choice = torch.multinomial(kept, 1, generator=generator)
+    tokens = sorted_ids.gather(1, choice).squeeze(1)
+
+    window = recent_tokens[:, -params.win_size :]
+    repeats = (window == tokens[:, None]).sum(dim=1)
+    repeated = repeats >= params.win_size * params.tau_r
+    if repeated.any():
+        rows = repeated.nonzero().squeeze(1)
+        fallback = logp[rows].clone()
+        fallback[torch.arange(len(rows), device=logp.device), tokens[rows]] = float("-inf")
+        redraw = torch.multinomial(fallback.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        tokens = tokens.index_put((rows,), redraw)
+    return tokens
+
+
+def recent_window(histories: list[list[int]], win_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The last ``win_size`` tokens of each history as a (B, win_size) long tensor, left-padded with -1."""
+    rows = [([-1] * win_size + h[-win_size:])[-win_size:] for h in histories]
+    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(histories), win_size)

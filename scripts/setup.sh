@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install cosyapp into it.
+#   scripts/setup.sh          runtime (with vLLM when an NVIDIA GPU is present)
+#   scripts/setup.sh --test   runtime + test tools, CPU
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="test"
+[ -d .venv ] || python3 -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+
+if [ -z "$extras" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    extras="gpu"  # vllm==0.26.0 pins the matching CUDA torch and torchaudio
+else
+    # The CPU build of torch; torchaudio's wheel then brings a CUDA extension that cannot load, while
+    # the pure-Python parts cosyapp uses (kaldi fbank, resampling) work without it.
+    pip install -q "torch==2.13.0"
+fi
+pip install -q -e ".${extras:+[$extras]}"
+
+if ! .venv/bin/python -c "import torchaudio" 2>/dev/null; then
+    rm -f .venv/lib/python3*/site-packages/torchaudio/lib/*.so
+    .venv/bin/python -c "import torchaudio"
+fi
