@@ -8,7 +8,6 @@ from pathlib import Path
 DEFAULT_REPO = "FunAudioLLM/CosyVoice2-0.5B"
 
 
-
 @dataclass(frozen=True)
 class Settings:
     """Validated settings of one cosyapp process."""

@@ -86,9 +86,7 @@ def test_eos_stays_masked_in_the_repetition_fallback():
 def test_rows_are_sampled_independently():
     a = logits_with({1: 1.0}, rest=0.0)
     b = logits_with({2: 1.0}, rest=0.0)
-    tokens = ras_sample(
-        torch.stack([a, b]), recent_window([[], []], 10), torch.tensor([True, True]), PARAMS
-    )
+    tokens = ras_sample(torch.stack([a, b]), recent_window([[], []], 10), torch.tensor([True, True]), PARAMS)
     assert tokens.tolist() == [1, 2]
 
 

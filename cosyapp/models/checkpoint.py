@@ -92,7 +92,9 @@ def _download(repo_id: str) -> Path:
 
 def read_hparams(model_dir: Path) -> dict[str, Any]:
     """The yaml's values, with ``qwen_pretrain_path`` pointing into the folder as upstream overrides it."""
-    return read_hyperyaml(model_dir / YAML_NAME, overrides={"qwen_pretrain_path": str(model_dir / BACKBONE_DIR)})
+    return read_hyperyaml(
+        model_dir / YAML_NAME, overrides={"qwen_pretrain_path": str(model_dir / BACKBONE_DIR)}
+    )
 
 
 def _node(parent: Any, key: str, cls_name: str) -> Tagged:
@@ -105,7 +107,9 @@ def _node(parent: Any, key: str, cls_name: str) -> Tagged:
 
 def _require(node: Tagged, key: str, supported: Any) -> None:
     if node.get(key, supported) != supported:
-        raise ModelFolderError(f"{node.target}: {key}={node.get(key)!r} is not supported (only {supported!r})")
+        raise ModelFolderError(
+            f"{node.target}: {key}={node.get(key)!r} is not supported (only {supported!r})"
+        )
 
 
 def build_lm(hparams: dict[str, Any], backbone: Qwen2Config) -> Qwen2LM:
@@ -113,7 +117,9 @@ def build_lm(hparams: dict[str, Any], backbone: Qwen2Config) -> Qwen2LM:
     node = _node(hparams, "llm", "Qwen2LM")
     _node(node, "llm", "Qwen2Encoder")
     ras = _node(node, "sampling", "ras_sampling")
-    sampling = SamplingParams(**{k: ras[k] for k in ("top_p", "top_k", "win_size", "tau_r") if k in ras.kwargs})
+    sampling = SamplingParams(
+        **{k: ras[k] for k in ("top_p", "top_k", "win_size", "tau_r") if k in ras.kwargs}
+    )
     return Qwen2LM(
         llm_input_size=node["llm_input_size"],
         llm_output_size=node["llm_output_size"],
@@ -181,11 +187,12 @@ def build_hift(hparams: dict[str, Any]) -> HiFTGenerator:
     """The HiFT vocoder described by the yaml's ``hift`` node."""
     node = _node(hparams, "hift", "HiFTGenerator")
     f0 = _node(node, "f0_predictor", "ConvRNNF0Predictor")
-    plain = (
-        "in_channels base_channels nb_harmonics sampling_rate nsf_alpha nsf_sigma nsf_voiced_threshold "
-        "upsample_rates upsample_kernel_sizes resblock_kernel_sizes resblock_dilation_sizes "
-        "source_resblock_kernel_sizes source_resblock_dilation_sizes lrelu_slope audio_limit"
-    ).split()
+    plain = [
+        "in_channels", "base_channels", "nb_harmonics", "sampling_rate", "nsf_alpha", "nsf_sigma",
+        "nsf_voiced_threshold", "upsample_rates", "upsample_kernel_sizes", "resblock_kernel_sizes",
+        "resblock_dilation_sizes", "source_resblock_kernel_sizes", "source_resblock_dilation_sizes",
+        "lrelu_slope", "audio_limit",
+    ]  # fmt: skip
     return HiFTGenerator(
         **{k: node[k] for k in plain if k in node.kwargs},
         istft_n_fft=node["istft_params"]["n_fft"],
@@ -194,7 +201,9 @@ def build_hift(hparams: dict[str, Any]) -> HiFTGenerator:
     )
 
 
-def build_networks(model_dir: Path) -> tuple[Qwen2LM, CausalMaskedDiffWithXvec, HiFTGenerator, dict[str, Any]]:
+def build_networks(
+    model_dir: Path,
+) -> tuple[Qwen2LM, CausalMaskedDiffWithXvec, HiFTGenerator, dict[str, Any]]:
     """Build the three networks of ``model_dir`` with uninitialised (meta) weights, plus the hparams."""
     hparams = read_hparams(model_dir)
     backbone = Qwen2Config.from_pretrained(model_dir / BACKBONE_DIR)
@@ -221,7 +230,9 @@ def load_weights(module: nn.Module, path: Path, strip: str | None = None) -> Non
         if k in found and found[k] != s
     ]
     if problems:
-        shown = "\n  ".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+        shown = "\n  ".join(problems[:40]) + (
+            f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+        )
         raise CheckpointMismatchError(f"{path} does not match the network built from the yaml:\n  {shown}")
     module.load_state_dict(state, strict=True, assign=True)
 
@@ -247,8 +258,8 @@ def load_model(source: str | Path, device: str | None = None, dtype: torch.dtype
     load_weights(hift, model_dir / "hift.pt", strip="generator.")
     target = pick_device(device)
     dtype = dtype or torch.float32
+    lm.llm.place(target, dtype)
     lm.to(target, dtype).eval()
-    lm.llm.rebuild_rotary()
     flow.to(target, dtype).eval()
     hift.to(target, torch.float32).eval()
     return CosyVoice2(lm=lm, flow=flow, hift=hift, hparams=hparams, model_dir=model_dir)

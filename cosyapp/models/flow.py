@@ -177,4 +177,3 @@ class CausalMaskedDiffWithXvec(nn.Module):
         mel_len = h_lens - prompt_feat_len
         assert bool((mel_len >= 0).all()), "prompt mel longer than prompt + generated tokens"
         return generated_frames(feat, prompt_feat_len, mel_len), mel_len
-

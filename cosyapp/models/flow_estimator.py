@@ -96,8 +96,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         """x (B, T, dim), mask bool (B, 1|T, T) of allowed keys -> (B, T, dim)."""
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-                   for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (
+            proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
         # Upstream adds a -1e10 bias at blocked keys; a bool mask gives the same probabilities
         # (exp underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
@@ -142,10 +144,6 @@ class TransformerBlock(nn.Module):
         return x + self.ff(self.norm3(x))
 
 
-def _transformers(channels: int, n_blocks: int, heads: int, head_dim: int) -> nn.ModuleList:
-    return nn.ModuleList(TransformerBlock(channels, heads, head_dim) for _ in range(n_blocks))
-
-
 class CausalConditionalDecoder(nn.Module):
     """The flow's velocity network v(x, t | mu, spks, cond), one U-Net level (as in CosyVoice 2)."""
 
@@ -170,23 +168,20 @@ class CausalConditionalDecoder(nn.Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.static_chunk_size = static_chunk_size
         self.time_mlp = TimestepMLP(in_channels, time_dim)
-        self.down_blocks = nn.ModuleList([nn.ModuleList([
-            CausalResnetBlock1D(in_channels, ch, time_dim),
-            _transformers(ch, n_blocks, num_heads, attention_head_dim),
-            CausalConv1d(ch, ch, 3),
-        ])])
+
+        def transformers() -> nn.ModuleList:
+            return nn.ModuleList(TransformerBlock(ch, num_heads, attention_head_dim) for _ in range(n_blocks))
+
+        # Index 2 of the down and up stages is upstream's resampling slot: a same-rate causal conv
+        # at the last (here the only) level.
+        down = [CausalResnetBlock1D(in_channels, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)]
+        self.down_blocks = nn.ModuleList([nn.ModuleList(down)])
         self.mid_blocks = nn.ModuleList(
-            nn.ModuleList([
-                CausalResnetBlock1D(ch, ch, time_dim),
-                _transformers(ch, n_blocks, num_heads, attention_head_dim),
-            ])
+            nn.ModuleList([CausalResnetBlock1D(ch, ch, time_dim), transformers()])
             for _ in range(num_mid_blocks)
         )
-        self.up_blocks = nn.ModuleList([nn.ModuleList([
-            CausalResnetBlock1D(2 * ch, ch, time_dim),
-            _transformers(ch, n_blocks, num_heads, attention_head_dim),
-            CausalConv1d(ch, ch, 3),
-        ])])
+        up = [CausalResnetBlock1D(2 * ch, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)]
+        self.up_blocks = nn.ModuleList([nn.ModuleList(up)])
         self.final_block = CausalBlock1D(ch, ch)
         self.final_proj = nn.Conv1d(ch, out_channels, 1)
 

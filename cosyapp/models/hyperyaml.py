@@ -63,7 +63,9 @@ for _kind in ("new", "name", "apply", "module", "include"):
     _Loader.add_multi_constructor(f"!{_kind}:", _tagged(_kind))
 _Loader.add_constructor("!ref", lambda loader, node: _Ref(loader.construct_scalar(node)))
 _Loader.add_constructor("!copy", lambda loader, node: _Ref(loader.construct_scalar(node), copy=True))
-_Loader.add_constructor("!tuple", lambda loader, node: tuple(yaml.safe_load(f"[{loader.construct_scalar(node)}]")))
+_Loader.add_constructor(
+    "!tuple", lambda loader, node: tuple(yaml.safe_load(f"[{loader.construct_scalar(node)}]"))
+)
 _Loader.add_constructor("!placeholder", lambda loader, node: None)
 
 _REF = re.compile(r"<([^<>]+)>")

@@ -32,7 +32,9 @@ class Qwen2Encoder(nn.Module):
         Upstream reads the last entry of HF's ``hidden_states``, which is this post-norm output; the
         tied text ``lm_head`` is skipped because its logits are discarded anyway.
         """
-        out = self.model.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=cache is not None)
+        out = self.model.model(
+            inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=cache is not None
+        )
         return out.last_hidden_state
 
     def tie_text_embedding(self) -> None:
@@ -44,10 +46,16 @@ class Qwen2Encoder(nn.Module):
         if self.model.config.tie_word_embeddings:
             self.model.model.embed_tokens.weight = self.model.lm_head.weight
 
-    def rebuild_rotary(self) -> None:
-        """Recompute the rotary ``inv_freq`` buffers (not in the checkpoint) in float32 on the weights' device."""
-        device = self.model.model.embed_tokens.weight.device
-        self.model.model.rotary_emb = Qwen2RotaryEmbedding(config=self.model.config, device=device)
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the backbone to ``device``/``dtype``, with rotary frequencies rebuilt there in float32.
+
+        The rotary ``inv_freq`` buffers are not in the checkpoint (a meta-device build leaves them
+        empty), and casting them to a half dtype would round the rotation angles, which HF avoids too.
+        """
+        backbone = self.model.model
+        backbone.rotary_emb = None
+        self.model.to(device, dtype)
+        backbone.rotary_emb = Qwen2RotaryEmbedding(self.model.config).to(device)
 
 
 class Qwen2LM(nn.Module):
@@ -114,4 +122,3 @@ class Qwen2LM(nn.Module):
             generated.append(token)
             yield token
             embeds = self.speech_embedding.weight[token][None, None]
-

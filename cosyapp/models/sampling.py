@@ -32,7 +32,10 @@ class SamplingParams:
 
     def length_limits(self, num_text_tokens: int) -> tuple[int, int]:
         """(min_len, max_len) of generated speech tokens for a sentence of ``num_text_tokens``."""
-        return (int(num_text_tokens * self.min_token_text_ratio), int(num_text_tokens * self.max_token_text_ratio))
+        return (
+            int(num_text_tokens * self.min_token_text_ratio),
+            int(num_text_tokens * self.max_token_text_ratio),
+        )
 
 
 def nucleus_keep_mask(probs: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +87,9 @@ def ras_sample(
     return tokens
 
 
-def recent_window(histories: list[list[int]], win_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def recent_window(
+    histories: list[list[int]], win_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The last ``win_size`` tokens of each history as a (B, win_size) long tensor, left-padded with -1."""
     rows = [([-1] * win_size + h[-win_size:])[-win_size:] for h in histories]
     return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(histories), win_size)

@@ -46,6 +46,8 @@ OFFICIAL_QWEN = {
 
 # head_dim 32: the smallest head size vLLM's CPU attention accepts.
 TINY_QWEN = OFFICIAL_QWEN | {
+    "bos_token_id": 0,  # <|endoftext|> comes first in the tiny vocabulary
+    "eos_token_id": 0,
     "hidden_size": TINY.llm_size,
     "intermediate_size": 128,
     "max_window_layers": 2,
@@ -179,7 +181,9 @@ def write_official_configs(out_dir: str | Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
