@@ -164,7 +164,10 @@ class CausalMaskedDiffWithXvec(nn.Module):
         context only. streaming=True turns on the static chunk masks (encoder and estimator).
         Returns (mel (B, 80, max(mel_len)) float32, zero beyond mel_len; mel_len (B,)), with the frames
         after each item's prompt: mel_len = 2 * G_i (finalize) or 2 * (G_i - pre_lookahead_len).
+        Raises ValueError if a chunk call has fewer than `pre_lookahead_len` tokens for some item.
         """
+        if not finalize and bool((token_len < self.pre_lookahead_len).any()):
+            raise ValueError(f"a chunk call (finalize=False) needs at least {self.pre_lookahead_len} tokens")
         tokens, lengths = join_prompt(prompt_token, prompt_token_len, token, token_len)
         spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))
         x = self.input_embedding(tokens.clamp(min=0)) * length_mask(lengths, tokens.size(1)).unsqueeze(-1)
