@@ -1,0 +1,1 @@
+"""Turn user input into model input: text into sentences of token ids, prompt audio into a voice."""

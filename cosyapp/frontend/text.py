@@ -1,0 +1,316 @@
+"""Text to model input: normalise (wetext), split into sentences, encode with the Qwen2 tokenizer.
+
+Mirrors upstream CosyVoice2's wetext frontend (``text_normalize``, ``split_paragraph``) and its
+``QwenTokenizer``; see the inference map, sections 3.1 and 3.2. The TTS text is split into sentences,
+each synthesised on its own; the prompt text is normalised but never split.
+
+wetext, inflect and regex are imported inside the functions that use them, so this module imports on
+a bare GPU box.
+"""
+
+import itertools
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+# Upstream's order; the first two already exist in Qwen2, the other 17 get consecutive new ids.
+ADDITIONAL_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endofprompt|>",
+    "[breath]",
+    "<strong>",
+    "</strong>",
+    "[noise]",
+    "[laughter]",
+    "[cough]",
+    "[clucking]",
+    "[accent]",
+    "[quick_breath]",
+    "<laughter>",
+    "</laughter>",
+    "[hissing]",
+    "[sigh]",
+    "[vocalized-noise]",
+    "[lipsmack]",
+    "[mn]",
+)
+
+# split_paragraph as upstream calls it; lengths are characters for Chinese, tokens otherwise.
+MAX_LEN = 80
+MIN_LEN = 60
+MERGE_LEN = 20
+ZH_MARKS = frozenset("。？！；：、.?!;")
+EN_MARKS = frozenset(".?!;:")
+CLOSING_QUOTES = ('"', "”")
+
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+_DIGIT = re.compile(r"\d")
+_WETEXT_ESCAPED = re.compile(r'\\(["\\])')
+_TRAILING_COMMAS = re.compile(r"[，,、]+$")
+
+
+class TextError(ValueError):
+    """Text the frontend cannot synthesise; the message is written for the user."""
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """One sentence to synthesise on its own: normalised text and its token ids."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+class TextFrontend:
+    """Normalises, splits and tokenises text exactly as upstream's wetext frontend does.
+
+    Args:
+        tokenizer_dir: the model's ``CosyVoice-BlankEN/`` folder (Qwen2 tokenizer files).
+        max_chars: longest text ``prepare`` accepts, in characters.
+        normalize: run wetext; when False the punctuation rules, number spelling and splitting still
+            run, as upstream does when no normalizer is installed.
+    """
+
+    def __init__(self, tokenizer_dir: Path, max_chars: int = 5000, normalize: bool = True):
+        import inflect
+        from transformers import AutoTokenizer
+
+        assert max_chars > 0, max_chars
+        self.max_chars = max_chars
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer.add_special_tokens(
+            {
+                "eos_token": EOS_TOKEN,
+                "pad_token": EOS_TOKEN,
+                "additional_special_tokens": list(ADDITIONAL_SPECIAL_TOKENS),
+            }
+        )
+        self._inflect = inflect.engine()
+        self._zh_normalizer, self._en_normalizer = _wetext_normalizers() if normalize else (None, None)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``: default settings, no BOS/EOS, added special tokens matched anywhere."""
+        return self.tokenizer(text)["input_ids"]
+
+    def normalize_prompt(self, text: str) -> str:
+        """The prompt text normalised as one string (upstream's ``split=False``); never split."""
+        if _skips_normalization(text):
+            return text
+        text = text.strip()
+        return self._normalize_zh(text) if _is_chinese(text) else self._normalize_en(text)
+
+    def split(self, text: str) -> list[str]:
+        """The TTS text normalised and split into sentences (upstream's ``split=True``).
+
+        Pieces that are only punctuation or symbols are dropped. Raises ``TextError`` for a number
+        too long to spell out.
+        """
+        if _skips_normalization(text):
+            return [text]
+        text = text.strip()
+        if _is_chinese(text):
+            sentences = split_paragraph(self._normalize_zh(text), ZH_MARKS, "。", len)
+        else:
+            sentences = split_paragraph(self._normalize_en(text), EN_MARKS, ".", self._token_count)
+        return [s for s in sentences if not is_only_punctuation(s)]
+
+    def prepare(self, text: str) -> list[Sentence]:
+        """Validate the user's text, then split it into sentences with their token ids.
+
+        Raises ``TextError`` if the text is empty, longer than ``max_chars``, or has nothing to read
+        aloud once normalised (only punctuation or symbols).
+        """
+        if not text.strip():
+            raise TextError("The text is empty: type what the voice should say.")
+        if len(text) > self.max_chars:
+            raise TextError(
+                f"The text is {len(text):,} characters long; the limit is {self.max_chars:,}. "
+                "Shorten it or send it in parts."
+            )
+        sentences = [Sentence(s, tuple(self.tokenize(s))) for s in self.split(text)]
+        if not sentences:
+            raise TextError("The text has nothing to read aloud: it is only punctuation or symbols.")
+        return sentences
+
+    def prompt_ids(self, prompt_text: str) -> list[int]:
+        """Token ids of the normalised prompt text (tokenised apart from the TTS text, as upstream)."""
+        return self.tokenize(self.normalize_prompt(prompt_text))
+
+    def _token_count(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    def _normalize_zh(self, text: str) -> str:
+        text = remove_blanks(_run_wetext(self._zh_normalizer, text).replace("\n", ""))
+        text = text.replace("²", "平方").replace("³", "立方")
+        text = text.replace(".", "。").replace(" - ", "，")
+        for bracket in "（）【】`":
+            text = text.replace(bracket, "")
+        text = text.replace("——", " ")
+        return _TRAILING_COMMAS.sub("。", text)
+
+    def _normalize_en(self, text: str) -> str:
+        return self._spell_out_digits(_run_wetext(self._en_normalizer, text))
+
+    def _spell_out_digits(self, text: str) -> str:
+        """``text`` with each maximal run of ``str.isdigit`` characters in English words.
+
+        Separators are not part of a run, so ``3.5`` becomes ``three.five``, as upstream. Raises
+        ``TextError`` for a run too long for inflect (37 digits or more).
+        """
+        import inflect
+
+        parts = []
+        for is_digit, run in itertools.groupby(text, key=str.isdigit):
+            run = "".join(run)
+            if not is_digit:
+                parts.append(run)
+                continue
+            try:
+                parts.append(self._inflect.number_to_words(run))
+            except inflect.NumOutOfRangeError as err:
+                raise TextError(
+                    f"The number {run[:12]}... has {len(run)} digits, too many to read aloud as one number; "
+                    "separate its digits with spaces."
+                ) from err
+        return "".join(parts)
+
+
+def _wetext_normalizers():
+    """The ("zh", "en") wetext normalizers of upstream's wetext path.
+
+    The language is set explicitly: wetext's "auto" reads an all-digit English text such as "2024"
+    in Chinese, while upstream means the zh normalizer for text with CJK characters only.
+    """
+    from wetext import Normalizer
+
+    return Normalizer(lang="zh", operator="tn", remove_erhua=False), Normalizer(lang="en", operator="tn")
+
+
+def _run_wetext(normalizer, text: str) -> str:
+    """``text`` through a wetext normalizer (None: unchanged), behaving as upstream's wetext 0.0.4.
+
+    wetext 0.1 runs its English FSTs on any text, where 0.0.4 left text without digits alone, and it
+    returns each ``"`` and ``\\`` escaped once too often; both are undone here. When its tagger has
+    no path through the text (e.g. "#3", "3²", "a \\n 3" in English) wetext fails an assertion; the
+    text is then used as written, as upstream does when wetext is not installed.
+    """
+    if normalizer is None or not _DIGIT.search(text):
+        return text
+    try:
+        normalized = normalizer.normalize(text)
+    except AssertionError:
+        log.warning("wetext cannot normalise %r; using it as written", text[:200])
+        return text
+    return _WETEXT_ESCAPED.sub(r"\1", normalized)
+
+
+def _skips_normalization(text: str) -> bool:
+    # Markup such as <|endofprompt|> would be mangled by the rules, so upstream passes such text as is.
+    return text == "" or ("<|" in text and "|>" in text)
+
+
+def _is_chinese(text: str) -> bool:
+    return _CJK.search(text) is not None
+
+
+def remove_blanks(text: str) -> str:
+    """``text`` without the spaces that are not between two ASCII non-space characters.
+
+    Spaces between Latin words survive; spaces next to CJK characters, or next to another space, go.
+    """
+
+    def ascii_word_char(i: int) -> bool:
+        return 0 <= i < len(text) and text[i].isascii() and text[i] != " "
+
+    kept = (c for i, c in enumerate(text) if c != " " or (ascii_word_char(i - 1) and ascii_word_char(i + 1)))
+    return "".join(kept)
+
+
+def split_paragraph(
+    text: str, marks: frozenset[str], end_mark: str, length: Callable[[str], int]
+) -> list[str]:
+    """Upstream's ``split_paragraph``: cut ``text`` after sentence marks, then merge to ~60-80 length.
+
+    ``end_mark`` is appended when ``text`` does not end with one of ``marks``; ``length`` measures a
+    string (characters for Chinese, tokens otherwise). Returns [] for empty text.
+    """
+    if not text:
+        return []
+    if text[-1] not in marks:
+        text += end_mark
+    return merge_pieces(cut_at_marks(text, marks), length)
+
+
+def cut_at_marks(text: str, marks: frozenset[str]) -> list[str]:
+    """Pieces of ``text``, each ending with a mark, or with a closing quote that follows a mark.
+
+    As upstream, a mark with no text since the previous cut is dropped; if a quote follows it, the
+    quote still goes onto the previous piece. Text after the last mark is dropped (callers end the
+    text with a mark).
+    """
+    pieces: list[str] = []
+    start = 0
+    for i, char in enumerate(text):
+        if char not in marks:
+            continue
+        if i > start:
+            pieces.append(text[start : i + 1])
+        quote = text[i + 1 : i + 2]
+        if quote in CLOSING_QUOTES:
+            # Upstream fails when there is no previous piece (the text starts with a mark and a quote).
+            if pieces:
+                pieces[-1] += quote
+            else:
+                pieces.append(quote)
+            start = i + 2
+        else:
+            start = i + 1
+    return pieces
+
+
+def merge_pieces(pieces: Sequence[str], length: Callable[[str], int]) -> list[str]:
+    """Greedy merge of ``pieces`` into sentences.
+
+    A sentence is closed when it is longer than ``MIN_LEN`` and adding the next piece would make it
+    longer than ``MAX_LEN``. A tail shorter than ``MERGE_LEN`` is glued onto the last sentence.
+    """
+    sentences: list[str] = []
+    buffer = ""
+    for piece in pieces:
+        if length(buffer + piece) > MAX_LEN and length(buffer) > MIN_LEN:
+            sentences.append(buffer)
+            buffer = ""
+        buffer += piece
+    if buffer and length(buffer) < MERGE_LEN and sentences:
+        sentences[-1] += buffer
+    elif buffer:
+        sentences.append(buffer)
+    return sentences
+
+
+def is_only_punctuation(text: str) -> bool:
+    """True if ``text`` is empty or only Unicode punctuation/symbols (``\\p{P}``, ``\\p{S}``)."""
+    import regex
+
+    return regex.fullmatch(r"[\p{P}\p{S}]*", text) is not None
+
+
+def log_short_sentences(sentences: Sequence[Sentence], normalized_prompt: str) -> list[Sentence]:
+    """Log upstream's warning for each sentence with fewer than half the characters of the prompt text.
+
+    Such sentences tend to come out badly (inference map 3.8); nothing else changes. Returns them.
+    """
+    short = [s for s in sentences if len(s.text) < 0.5 * len(normalized_prompt)]
+    for sentence in short:
+        log.warning(
+            "sentence %r is much shorter than the prompt text %r; this may sound worse",
+            sentence.text,
+            normalized_prompt,
+        )
+    return short

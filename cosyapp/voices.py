@@ -1,0 +1,218 @@
+"""The voice library behind the speaker control.
+
+Three sources: built-in voices shipped in ``assets/voices`` (audio + transcript + licence note),
+ready-made speakers from the model folder's ``spk2info.pt``, and voices users save from their own
+recordings. Features of a recording are computed once and cached on disk by content hash; user voices
+survive restarts and are private to the session that saved them unless saved as shared.
+"""
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import unicodedata
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cosyapp.frontend.audio import AudioSource, PromptAudio, load_prompt_audio
+from cosyapp.frontend.voice import VoiceFeatures, VoiceFrontend
+
+log = logging.getLogger(__name__)
+ASSETS_VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
+MAX_NAME_CHARS = 60
+MAX_PROMPT_TEXT_CHARS = 500
+
+
+class VoiceNotFoundError(KeyError):
+    """No voice with this id is visible to the asking session."""
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    """What the speaker control lists about a voice."""
+
+    id: str
+    name: str
+    kind: str  # "builtin", "model" or "user"
+    language: str = ""
+    note: str = ""
+    shared: bool = True
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A voice ready for synthesis: its features and the transcript of its prompt recording.
+
+    ``prompt_ids`` is set instead of ``prompt_text`` for ``spk2info.pt`` speakers, which store ids.
+    """
+
+    info: VoiceInfo
+    features: VoiceFeatures
+    prompt_text: str = ""
+    prompt_ids: tuple[int, ...] | None = None
+
+
+def sanitize_name(name: str) -> str:
+    """A display name safe to store and show: printable, single-spaced, at most 60 characters."""
+    text = unicodedata.normalize("NFC", name)
+    text = "".join(ch if unicodedata.category(ch)[0] not in "CZ" else " " for ch in text)
+    text = re.sub(r"[<>/\\`]", "", text)
+    text = " ".join(text.split())[:MAX_NAME_CHARS].strip()
+    if not text:
+        raise ValueError("give the voice a name made of letters, digits or punctuation")
+    return text
+
+
+def audio_hash(audio: PromptAudio) -> str:
+    """Content hash of a decoded recording (samples and rate), independent of its file format."""
+    digest = hashlib.sha256(str(audio.sample_rate).encode())
+    digest.update(np.ascontiguousarray(audio.samples, dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
+class VoiceLibrary:
+    """Lists, loads and saves voices; thread-safe. ``features_computed`` counts real extractions."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        frontend: VoiceFrontend,
+        assets_dir: Path = ASSETS_VOICES,
+        spk2info: Path | None = None,
+    ):
+        self.frontend = frontend
+        self.features_dir = data_dir / "features"
+        self.user_dir = data_dir / "voices"
+        self.features_dir.mkdir(parents=True, exist_ok=True)
+        self.user_dir.mkdir(parents=True, exist_ok=True)
+        self.features_computed = 0
+        self._lock = threading.Lock()
+        self._builtin = _read_builtin(assets_dir)
+        self._model = _read_spk2info(spk2info) if spk2info and spk2info.is_file() else {}
+
+    def features_of(self, audio: PromptAudio) -> VoiceFeatures:
+        """Features of a recording, computed once per distinct content and then read from the cache."""
+        path = self.features_dir / f"{audio_hash(audio)}.safetensors"
+        with self._lock:
+            if path.is_file():
+                return VoiceFeatures.load(path)
+            features = self.frontend.features(audio)
+            features.save(path)
+            self.features_computed += 1
+            return features
+
+    def list_voices(self, session: str | None = None) -> list[VoiceInfo]:
+        """Built-in voices, model speakers, shared user voices, and ``session``'s private voices."""
+        users = [meta for meta in self._user_metas() if meta["shared"] or meta["owner"] == session]
+        return (
+            [info for info, _, _ in self._builtin.values()]
+            + [voice.info for voice in self._model.values()]
+            + [_user_info(meta) for meta in sorted(users, key=lambda m: m["name"].lower())]
+        )
+
+    def get(self, voice_id: str, session: str | None = None) -> Voice:
+        """The voice ``voice_id`` as ``session`` sees it. Raises ``VoiceNotFoundError``."""
+        if voice_id in self._builtin:
+            info, audio_path, transcript = self._builtin[voice_id]
+            return Voice(info, self.features_of(load_prompt_audio(audio_path)), prompt_text=transcript)
+        if voice_id in self._model:
+            return self._model[voice_id]
+        meta = self._user_meta(voice_id)
+        if meta is None or not (meta["shared"] or meta["owner"] == session):
+            raise VoiceNotFoundError(voice_id)
+        features = VoiceFeatures.load(self.features_dir / f"{meta['features']}.safetensors")
+        return Voice(_user_info(meta), features, prompt_text=meta["prompt_text"])
+
+    def save(
+        self, name: str, audio: AudioSource, prompt_text: str, session: str | None, shared: bool = False
+    ) -> VoiceInfo:
+        """Save a user voice from a recording and its transcript; returns its listing.
+
+        Raises ``VoiceError`` for an unusable recording and ``ValueError`` for an empty name or
+        transcript.
+        """
+        prompt_text = " ".join(prompt_text.split())
+        if not prompt_text:
+            raise ValueError("type what is said in the recording: the model needs its transcript")
+        if len(prompt_text) > MAX_PROMPT_TEXT_CHARS:
+            raise ValueError(
+                f"the transcript has {len(prompt_text)} characters; at most {MAX_PROMPT_TEXT_CHARS}"
+            )
+        name = sanitize_name(name)
+        recording = load_prompt_audio(audio)
+        self.features_of(recording)
+        meta = {
+            "id": f"user-{uuid.uuid4().hex[:12]}",
+            "name": name,
+            "prompt_text": prompt_text,
+            "owner": None if shared else session,
+            "shared": shared,
+            "features": audio_hash(recording),
+        }
+        folder = self.user_dir / meta["id"]
+        folder.mkdir()
+        tmp = folder / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+        tmp.replace(folder / "meta.json")
+        return _user_info(meta)
+
+    def delete(self, voice_id: str, session: str | None) -> None:
+        """Remove a user voice saved by ``session`` (shared ones cannot be removed by a session)."""
+        meta = self._user_meta(voice_id)
+        if meta is None or meta["owner"] is None or meta["owner"] != session:
+            raise VoiceNotFoundError(voice_id)
+        folder = self.user_dir / voice_id
+        (folder / "meta.json").unlink()
+        folder.rmdir()
+
+    def _user_meta(self, voice_id: str) -> dict | None:
+        if not re.fullmatch(r"user-[0-9a-f]{12}", voice_id):
+            return None
+        path = self.user_dir / voice_id / "meta.json"
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+    def _user_metas(self) -> list[dict]:
+        return [
+            json.loads(p.read_text(encoding="utf-8")) for p in sorted(self.user_dir.glob("user-*/meta.json"))
+        ]
+
+
+def _user_info(meta: dict) -> VoiceInfo:
+    note = "shared voice" if meta["shared"] else "your voice (only you see it)"
+    return VoiceInfo(id=meta["id"], name=meta["name"], kind="user", note=note, shared=meta["shared"])
+
+
+def _read_builtin(assets_dir: Path) -> dict[str, tuple[VoiceInfo, Path, str]]:
+    """Built-in voices: ``<id>.json`` (name, language, transcript, source, licence) beside its audio."""
+    voices = {}
+    for path in sorted(assets_dir.glob("*.json")):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        note = meta["source"] + (" (synthetic voice)" if meta.get("synthetic") else "")
+        info = VoiceInfo(
+            id=path.stem, name=meta["name"], kind="builtin", language=meta["language"], note=note
+        )
+        voices[path.stem] = (info, assets_dir / meta["audio"], meta["transcript"])
+    return voices
+
+
+def _read_spk2info(path: Path) -> dict[str, Voice]:
+    """Zero-shot speakers saved by upstream's ``add_zero_shot_spk``; entries without a prompt are skipped."""
+    voices = {}
+    for spk_id, entry in torch.load(path, map_location="cpu", weights_only=True).items():
+        if "flow_prompt_speech_token" not in entry or "prompt_text" not in entry:
+            # SFT-style entries carry no prompt, which CosyVoice 2's LM needs to imitate a voice.
+            log.warning("spk2info.pt: speaker %r has no prompt tokens/text and is not offered", spk_id)
+            continue
+        features = VoiceFeatures(
+            speech_tokens=entry["flow_prompt_speech_token"].reshape(-1).long(),
+            speech_feat=entry["prompt_speech_feat"].reshape(-1, 80).float(),
+            embedding=entry["flow_embedding"].reshape(-1).float(),
+        )
+        info = VoiceInfo(id=f"model-{spk_id}", name=str(spk_id), kind="model", note="from the model folder")
+        voices[info.id] = Voice(info, features, prompt_ids=tuple(entry["prompt_text"].reshape(-1).tolist()))
+    return voices
