@@ -8,7 +8,7 @@ import secrets
 import numpy as np
 import torch
 
-from cosyapp.frontend.text import TextFrontend
+from cosyapp.frontend.text import TextFrontend, log_short_sentences
 from cosyapp.frontend.voice import VoiceFrontend
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
 from cosyapp.voices import Voice
@@ -39,6 +39,8 @@ class ReferenceSynthesizer:
         ``seed`` gives the same samples; None draws a fresh one. Raises ``TextError`` for unusable text.
         """
         sentences = self.text.prepare(text)
+        if voice.prompt_ids is None:
+            log_short_sentences(sentences, self.text.normalize_prompt(voice.prompt_text))
         prompt = self.prompt(voice)
         seed = secrets.randbits(63) if seed is None else seed
         torch.manual_seed(seed)  # HiFT draws its source noise from the default generator, as upstream

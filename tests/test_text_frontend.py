@@ -317,3 +317,15 @@ def test_sentences_much_shorter_than_the_prompt_are_logged(caplog):
         short = log_short_sentences(sentences, normalized_prompt="提示" * 5)
     assert short == sentences[:1]
     assert "'短句。' is much shorter than the prompt text" in caplog.text
+
+
+def test_token_ids_of_a_few_strings_are_the_byte_level_bpe_pieces(tiny_model_dir):
+    # The tiny tokenizer's vocabulary is ours (trained on a fixed corpus), so the ids are checked
+    # against its own piece table rather than Qwen2's.
+    frontend = TextFrontend(tiny_model_dir / "CosyVoice-BlankEN")
+    pieces = frontend.tokenizer.convert_tokens_to_ids
+    assert frontend.tokenize("Hello") == pieces(["Hell", "o"])
+    assert frontend.tokenize(" the quick") == pieces(["Ġthe", "Ġ", "qu", "ic", "k"])
+    assert frontend.tokenize("你好") == pieces(["ä½", "ł", "å¥½"])  # UTF-8 bytes as byte-level symbols
+    base = len(frontend.tokenizer) - 17
+    assert frontend.tokenize("Hello<|endofprompt|>[breath]") == pieces(["Hell", "o"]) + [base, base + 1]
