@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_sample, recent_window
+from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_distribution, ras_sample, recent_window
 
 V = 6564
 PARAMS = SamplingParams()
@@ -99,3 +99,34 @@ def test_recent_window_left_pads_and_keeps_the_latest():
 def test_length_limits_follow_the_text_token_ratios():
     assert PARAMS.length_limits(7) == (14, 140)
     assert SamplingParams(min_token_text_ratio=2.5).length_limits(3) == (math.floor(7.5), 60)
+
+
+@pytest.mark.parametrize(
+    ("probs", "history", "eos_allowed"),
+    [
+        ({11: 0.6, 12: 0.3, 13: 0.1}, [11, 1, 2], True),
+        ({11: 0.35, 12: 0.3, 13: 0.2, EOS_TOKEN: 0.15}, [12, 11, 5], False),
+        ({EOS_TOKEN: 0.5, 6562: 0.3, 7: 0.2}, [7], True),
+    ],
+)
+def test_ras_distribution_matches_the_reference_procedure(probs, history, eos_allowed):
+    logits = logits_with(probs, rest=1e-4)
+    n = 20_000
+    sampled = frequencies(draw(logits, history, n, eos_allowed=eos_allowed, seed=1))
+    q = ras_distribution(
+        logits[None], recent_window([history], PARAMS.win_size), torch.tensor([eos_allowed]), PARAMS
+    )[0]
+    assert q.sum().item() == pytest.approx(1.0, abs=1e-5)
+    for token in set(sampled) | set(probs):
+        expected = q[token].item()
+        # Binomial standard error; 5 sigma keeps this deterministic-seed test far from flaky.
+        tolerance = 5 * math.sqrt(max(expected * (1 - expected), 1e-4) / n)
+        assert sampled.get(token, 0.0) == pytest.approx(expected, abs=tolerance), token
+
+
+def test_ras_distribution_without_repeats_is_the_renormalised_nucleus():
+    logits = logits_with({7: 0.5, 3: 0.2, 9: 0.15, 4: 0.1, 5: 0.05}, rest=0.0)
+    q = ras_distribution(logits[None], recent_window([[]], 10), torch.tensor([True]), PARAMS)[0]
+    expected = torch.zeros(V)
+    expected[[7, 3, 9]] = torch.tensor([0.5, 0.2, 0.15]) / 0.85
+    torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-5)

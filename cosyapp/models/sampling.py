@@ -1,13 +1,16 @@
 """Speech-token sampling of CosyVoice 2: nucleus + top-k draw with repetition-aware fallback (RAS).
 
-One batched function, ``ras_sample``, is used by every LM engine (plain PyTorch and vLLM), so all of
-them decode with upstream's rule (inference map, section 4.6, HEAD behaviour):
+Upstream's rule (inference map, section 4.6, HEAD behaviour):
 
 1. before ``min_len`` generated tokens, the EOS logit (6561) is masked; 6562/6563 stay allowed;
 2. draw from the shortest prefix of the probability-sorted vocabulary whose mass reaches ``top_p``
    (the token that crosses it is kept), capped at ``top_k`` tokens;
 3. if the drawn token occurs at least ``win_size * tau_r`` times among the last ``win_size``
    generated tokens, mask it and redraw from the full distribution.
+
+``ras_sample`` runs this procedure literally (the reference path). ``ras_distribution`` gives the exact
+distribution of its outcome, so an engine samples it in one draw at temperature 1: every serving
+engine (vLLM through a logits processor, and the batched PyTorch engine) uses that one function.
 """
 
 from dataclasses import dataclass
@@ -70,7 +73,7 @@ def ras_sample(
     logp = logits.float().log_softmax(dim=-1)
     logp[:, EOS_TOKEN] = torch.where(eos_allowed, logp[:, EOS_TOKEN], float("-inf"))
 
-    sorted_probs, sorted_ids, keep = nucleus_keep_mask(logp.exp(), params.top_p, params.top_k)
+    sorted_probs, sorted_ids, keep = nucleus_keep_mask(logp.softmax(dim=-1), params.top_p, params.top_k)
     kept = torch.where(keep, sorted_probs, 0.0)
     choice = torch.multinomial(kept, 1, generator=generator)
     tokens = sorted_ids.gather(1, choice).squeeze(1)
@@ -93,3 +96,28 @@ def recent_window(
     """The last ``win_size`` tokens of each history as a (B, win_size) long tensor, left-padded with -1."""
     rows = [([-1] * win_size + h[-win_size:])[-win_size:] for h in histories]
     return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(histories), win_size)
+
+
+def ras_distribution(
+    logits: torch.Tensor, recent_tokens: torch.Tensor, eos_allowed: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """The exact distribution of ``ras_sample``'s outcome, (B, V) float32 probabilities.
+
+    Same arguments as ``ras_sample``. With p the full softmax (EOS masked while not allowed), K the
+    nucleus, p_nuc its renormalised probabilities and W the tokens that would trigger the fallback:
+        q(x) = p_nuc(x)[x not in W] + sum_{y in W and K} p_nuc(y) p(x)[x != y] / (1 - p(y)).
+    """
+    logp = logits.float().log_softmax(dim=-1)
+    logp[:, EOS_TOKEN] = torch.where(eos_allowed, logp[:, EOS_TOKEN], float("-inf"))
+    p = logp.softmax(dim=-1)  # renormalised after the EOS mask, as upstream's softmax of the scores
+    sorted_probs, sorted_ids, keep = nucleus_keep_mask(p, params.top_p, params.top_k)
+    kept = torch.where(keep, sorted_probs, 0.0)
+    p_nuc = torch.zeros_like(p).scatter_(1, sorted_ids, kept / kept.sum(dim=1, keepdim=True))
+
+    window = recent_tokens[:, -params.win_size :]
+    counts = torch.zeros_like(p).scatter_add_(1, window.clamp(min=0), (window >= 0).float())
+    triggers = counts >= params.win_size * params.tau_r
+    # Mass the nucleus sends to the fallback through y, spread over p without y: p(x) / (1 - p(y)).
+    through = torch.where(triggers, p_nuc, 0.0) / (1.0 - p).clamp(min=1e-12)
+    q = torch.where(triggers, 0.0, p_nuc) + p * (through.sum(dim=1, keepdim=True) - through)
+    return q
