@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from cosyapp.frontend.text import TextFrontend, log_short_sentences
-from cosyapp.frontend.voice import VoiceFrontend
-from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
+from cosyapp.models.cosyvoice2 import CosyVoice2
 from cosyapp.voices import Voice
 
 
@@ -20,15 +19,6 @@ class ReferenceSynthesizer:
     def __init__(self, model: CosyVoice2, text: TextFrontend):
         self.model = model
         self.text = text
-
-    def prompt(self, voice: Voice) -> PromptInputs:
-        """The model inputs of ``voice``: its features plus its normalised transcript's ids."""
-        ids = (
-            list(voice.prompt_ids)
-            if voice.prompt_ids is not None
-            else self.text.prompt_ids(voice.prompt_text)
-        )
-        return VoiceFrontend.to_prompt(voice.features, ids)
 
     def synthesize(
         self, text: str, voice: Voice, speed: float = 1.0, seed: int | None = None
@@ -41,7 +31,7 @@ class ReferenceSynthesizer:
         sentences = self.text.prepare(text)
         if voice.prompt_ids is None:
             log_short_sentences(sentences, self.text.normalize_prompt(voice.prompt_text))
-        prompt = self.prompt(voice)
+        prompt = voice.prompt(self.text)
         seed = secrets.randbits(63) if seed is None else seed
         torch.manual_seed(seed)  # HiFT draws its source noise from the default generator, as upstream
         generator = torch.Generator(self.model.device).manual_seed(seed)

@@ -15,12 +15,18 @@ import unicodedata
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from cosyapp.frontend.audio import AudioSource, PromptAudio, load_prompt_audio
-from cosyapp.frontend.voice import VoiceFeatures, VoiceFrontend
+from cosyapp.frontend.features import VoiceFeatures
+from cosyapp.models.cosyvoice2 import PromptInputs
+
+if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only machines may lack
+    from cosyapp.frontend.audio import AudioSource, PromptAudio
+    from cosyapp.frontend.text import TextFrontend
+    from cosyapp.frontend.voice import VoiceFrontend
 
 log = logging.getLogger(__name__)
 ASSETS_VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
@@ -56,6 +62,11 @@ class Voice:
     prompt_text: str = ""
     prompt_ids: tuple[int, ...] | None = None
 
+    def prompt(self, text: "TextFrontend") -> PromptInputs:
+        """The model inputs of this voice: its features plus its normalised transcript's ids."""
+        ids = list(self.prompt_ids) if self.prompt_ids is not None else text.prompt_ids(self.prompt_text)
+        return self.features.prompt(ids)
+
 
 def sanitize_name(name: str) -> str:
     """A display name safe to store and show: printable, single-spaced, at most 60 characters."""
@@ -68,7 +79,7 @@ def sanitize_name(name: str) -> str:
     return text
 
 
-def audio_hash(audio: PromptAudio) -> str:
+def audio_hash(audio: "PromptAudio") -> str:
     """Content hash of a decoded recording (samples and rate), independent of its file format."""
     digest = hashlib.sha256(str(audio.sample_rate).encode())
     digest.update(np.ascontiguousarray(audio.samples, dtype=np.float32).tobytes())
@@ -81,7 +92,7 @@ class VoiceLibrary:
     def __init__(
         self,
         data_dir: Path,
-        frontend: VoiceFrontend,
+        frontend: "VoiceFrontend",
         assets_dir: Path = ASSETS_VOICES,
         spk2info: Path | None = None,
     ):
@@ -95,7 +106,7 @@ class VoiceLibrary:
         self._builtin = _read_builtin(assets_dir)
         self._model = _read_spk2info(spk2info) if spk2info and spk2info.is_file() else {}
 
-    def features_of(self, audio: PromptAudio) -> VoiceFeatures:
+    def features_of(self, audio: "PromptAudio") -> VoiceFeatures:
         """Features of a recording, computed once per distinct content and then read from the cache."""
         path = self.features_dir / f"{audio_hash(audio)}.safetensors"
         with self._lock:
@@ -118,6 +129,8 @@ class VoiceLibrary:
     def get(self, voice_id: str, session: str | None = None) -> Voice:
         """The voice ``voice_id`` as ``session`` sees it. Raises ``VoiceNotFoundError``."""
         if voice_id in self._builtin:
+            from cosyapp.frontend.audio import load_prompt_audio
+
             info, audio_path, transcript = self._builtin[voice_id]
             return Voice(info, self.features_of(load_prompt_audio(audio_path)), prompt_text=transcript)
         if voice_id in self._model:
@@ -129,7 +142,7 @@ class VoiceLibrary:
         return Voice(_user_info(meta), features, prompt_text=meta["prompt_text"])
 
     def save(
-        self, name: str, audio: AudioSource, prompt_text: str, session: str | None, shared: bool = False
+        self, name: str, audio: "AudioSource", prompt_text: str, session: str | None, shared: bool = False
     ) -> VoiceInfo:
         """Save a user voice from a recording and its transcript; returns its listing.
 
@@ -143,6 +156,8 @@ class VoiceLibrary:
             raise ValueError(
                 f"the transcript has {len(prompt_text)} characters; at most {MAX_PROMPT_TEXT_CHARS}"
             )
+        from cosyapp.frontend.audio import load_prompt_audio
+
         name = sanitize_name(name)
         recording = load_prompt_audio(audio)
         self.features_of(recording)

@@ -22,7 +22,7 @@ def voice(tiny_model, tmp_path_factory):
 
 def expected_tokens(synthesizer, voice, text, seed):
     """Token count of each sentence when decoding with the seed the synthesizer uses."""
-    prompt = synthesizer.prompt(voice)
+    prompt = voice.prompt(synthesizer.text)
     generator = torch.Generator().manual_seed(seed)
     counts = []
     for sentence in synthesizer.text.prepare(text):

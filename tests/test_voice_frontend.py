@@ -115,7 +115,7 @@ def test_same_file_twice_gives_identical_features(frontend, aishell_wav):
 
 def test_prompt_from_features_conditions_the_tiny_flow(frontend, tiny_model, aishell_wav):
     features = frontend.features(load_prompt_audio(aishell_wav))
-    prompt = frontend.to_prompt(features, [11, 12, 13])
+    prompt = features.prompt([11, 12, 13])
 
     assert isinstance(prompt, PromptInputs)
     assert prompt.text_ids.tolist() == [11, 12, 13] and prompt.text_ids.dtype == torch.long
