@@ -87,3 +87,13 @@ def test_speech_tokenizer_stand_in_gives_25hz_tokens_in_range(tiny_model_dir):
         assert tokens.size == math.ceil(math.ceil(frames / 2) / 2)
         assert tokens.min() >= 0 and tokens.max() <= 6560
     assert len(np.unique(tokens)) > 5
+
+
+def test_endless_model_decodes_exactly_its_maximum(tmp_path):
+    from cosyapp.models.checkpoint import load_model
+    from cosyapp.models.tiny import write_random_model
+
+    lm = load_model(write_random_model(tmp_path / "endless", seed=1, endless=True), device="cpu").lm
+    text = torch.tensor([5, 6, 7])
+    tokens = list(lm.generate(torch.tensor([1, 2]), text, torch.tensor([9, 10]), torch.Generator().manual_seed(0)))
+    assert len(tokens) == lm.sampling.length_limits(len(text))[1] == 60

@@ -3,7 +3,7 @@
 Same file names and yaml keys as CosyVoice2-0.5B, small sizes, deterministic from a seed, written in
 a few seconds. Tests and the ``--demo`` mode load it through the same loader as the real weights.
 
-    python -m cosyapp.models.tiny OUT_DIR [--seed N]
+    python -m cosyapp.models.tiny OUT_DIR [--seed N] [--full-size [--device cuda]]
 """
 
 import argparse
@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen2Config
 
 from cosyapp.models.checkpoint import BACKBONE_DIR, YAML_NAME, build_flow, build_hift, build_lm, read_hparams
+from cosyapp.models.sampling import STOP_TOKENS
 from cosyapp.models.yaml_template import OFFICIAL, TINY, NetworkSizes, render_yaml
 
 QWEN_BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -149,28 +150,57 @@ def write_config_files(out_dir: Path, sizes: NetworkSizes, qwen: dict) -> None:
     (out_dir / BACKBONE_DIR / "config.json").write_text(json.dumps(qwen, indent=2), encoding="utf-8")
 
 
-def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a complete tiny model folder (official layout, random weights from ``seed``); returns it."""
+def write_random_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    sizes: NetworkSizes = TINY,
+    qwen: dict | None = None,
+    endless: bool = False,
+    device: str = "cpu",
+) -> Path:
+    """Write a complete model folder (official layout) with random weights from ``seed``; returns it.
+
+    ``endless`` makes the LM's stop tokens unreachable (their head bias at -1e4), so every sentence
+    decodes exactly its maximum of 20 tokens per text token: reproducible load for benchmarks.
+    ``device`` is where the networks are initialised (a GPU makes full-size weights quick).
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    write_config_files(out_dir, TINY, TINY_QWEN)
+    qwen = TINY_QWEN if qwen is None else qwen
+    write_config_files(out_dir, sizes, qwen)
     write_tokenizer(out_dir / BACKBONE_DIR)
     hparams = read_hparams(out_dir)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        lm = build_lm(hparams, Qwen2Config(**TINY_QWEN))
+        lm = build_lm(hparams, Qwen2Config(**qwen))
         flow = build_flow(hparams)
         hift = build_hift(hparams)
-    torch.save(lm.state_dict(), out_dir / "llm.pt")
-    torch.save(flow.state_dict(), out_dir / "flow.pt")
-    torch.save(hift.state_dict(), out_dir / "hift.pt")
-    backbone = {f"model.{k}": v.contiguous() for k, v in lm.llm.model.model.state_dict().items()}
+    if endless:
+        with torch.no_grad():
+            lm.llm_decoder.bias[list(STOP_TOKENS)] = -1e4
+    for module, name in [(lm, "llm.pt"), (flow, "flow.pt"), (hift, "hift.pt")]:
+        torch.save({k: v.cpu() for k, v in module.state_dict().items()}, out_dir / name)
+    backbone = {
+        f"model.{k}": v.detach().cpu().contiguous() for k, v in lm.llm.model.model.state_dict().items()
+    }
     save_file(backbone, out_dir / BACKBONE_DIR / "model.safetensors")
     rng = np.random.default_rng(seed)
     write_campplus(out_dir / "campplus.onnx", rng)
     write_speech_tokenizer(out_dir / "speech_tokenizer_v2.onnx", rng)
     return out_dir
+
+
+def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a complete tiny model folder (official layout, random weights from ``seed``); returns it."""
+    return write_random_model(out_dir, seed)
+
+
+def write_full_size_model(
+    out_dir: str | Path, seed: int = 0, endless: bool = True, device: str = "cpu"
+) -> Path:
+    """CosyVoice2-0.5B's architecture with random weights (for speed measurements; it speaks noise)."""
+    return write_random_model(out_dir, seed, OFFICIAL, OFFICIAL_QWEN, endless=endless, device=device)
 
 
 def write_official_configs(out_dir: str | Path) -> Path:
@@ -186,8 +216,15 @@ def main() -> None:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--full-size", action="store_true", help="CosyVoice2-0.5B sizes, stop tokens disabled"
+    )
+    parser.add_argument("--device", default="cpu", help="where to initialise the weights (default cpu)")
     args = parser.parse_args()
-    print(write_tiny_model(args.out_dir, args.seed))
+    if args.full_size:
+        print(write_full_size_model(args.out_dir, args.seed, device=args.device))
+    else:
+        print(write_tiny_model(args.out_dir, args.seed))
 
 
 if __name__ == "__main__":
