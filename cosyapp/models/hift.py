@@ -13,6 +13,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
+Generators = Sequence[torch.Generator] | None
+
+
+def _randn_like(x: Tensor, generators: Generators) -> Tensor:
+    """randn_like(x) from the default generator, or item i of the batch from generators[i].
+
+    Per item, the draw is the one a batch-1 call with that generator (or with the default generator
+    seeded alike) makes: empty_like + normal_ is what randn_like does, strides included.
+    """
+    if generators is None:
+        return torch.randn_like(x)
+    assert len(generators) == x.shape[0], f"{len(generators)} generators for a batch of {x.shape[0]}"
+    return torch.cat([torch.empty_like(x[i : i + 1]).normal_(generator=g) for i, g in enumerate(generators)])
+
+
+def _rand(batch: int, n: int, like: Tensor, generators: Generators) -> Tensor:
+    """rand(batch, n) on like's device and dtype, per item from generators[i] when given."""
+    if generators is None:
+        return torch.rand(batch, n, device=like.device, dtype=like.dtype)
+    return torch.cat(
+        [torch.rand(1, n, generator=g, device=like.device, dtype=like.dtype) for g in generators]
+    )
+
 
 def _same_padding(kernel_size: int, dilation: int = 1) -> int:
     return dilation * (kernel_size - 1) // 2
@@ -88,7 +111,7 @@ class SineGen2(nn.Module):
 
     Takes f0 (B, L, 1) in Hz with L a multiple of `upsample_scale`; returns (B, L, harmonic_num + 1).
     Draws, in this order from the default generator of f0's device: rand(B, H+1) initial phases and
-    randn(B, L, H+1) noise.
+    randn(B, L, H+1) noise; with `generators`, item i makes its batch-1 draws from generators[i].
     """
 
     def __init__(
@@ -108,12 +131,12 @@ class SineGen2(nn.Module):
         self.noise_std = noise_std
         self.voiced_threshold = voiced_threshold
 
-    def _phase(self, freqs: Tensor) -> Tensor:
+    def _phase(self, freqs: Tensor, generators: Generators) -> Tensor:
         # Only the integer-free part of the per-sample increment matters: sin(2*pi*n) = 0.
         increments = (freqs / self.sampling_rate) % 1
         # The random initial phase lands on sample 0, which the frame-rate interpolation below never
         # reads, so it has no effect; it is kept because it consumes RNG exactly as upstream does.
-        initial = torch.rand(freqs.shape[0], freqs.shape[2], device=freqs.device, dtype=freqs.dtype)
+        initial = _rand(freqs.shape[0], freqs.shape[2], freqs, generators)
         initial[:, 0] = 0
         increments = torch.cat([increments[:, :1] + initial[:, None], increments[:, 1:]], dim=1)
         # Accumulating at frame rate and interpolating the phase back keeps it continuous across
@@ -126,15 +149,15 @@ class SineGen2(nn.Module):
             phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear"
         ).transpose(1, 2)
 
-    def forward(self, f0: Tensor) -> Tensor:
+    def forward(self, f0: Tensor, generators: Generators = None) -> Tensor:
         harmonics = torch.arange(1, self.harmonic_num + 2, device=f0.device, dtype=f0.dtype)
-        sines = torch.sin(self._phase(f0 * harmonics)) * self.sine_amp
+        sines = torch.sin(self._phase(f0 * harmonics, generators)) * self.sine_amp
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
         # `sines` is a transposed view in (B, H+1, L) memory order. randn_like keeps that layout (and on
         # CPU a non-contiguous normal_ uses another sampler), so the noise matches upstream's draw only
         # while `sines` stays this view: making it contiguous would change the audio for a given seed.
-        noise = noise_amp * torch.randn_like(sines)
+        noise = noise_amp * _randn_like(sines, generators)
         return sines * voiced + noise
 
 
@@ -157,11 +180,11 @@ class SourceModuleHnNSF(nn.Module):
         )
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
 
-    def forward(self, f0: Tensor) -> Tensor:
-        excitation = self.l_sin_gen(f0)
+    def forward(self, f0: Tensor, generators: Generators = None) -> Tensor:
+        excitation = self.l_sin_gen(f0, generators)
         merged = torch.tanh(self.l_linear(excitation))
         # Upstream also returns a noise branch nobody uses; drawing it keeps the RNG stream in step.
-        torch.randn_like(f0)
+        _randn_like(f0, generators)
         return merged
 
 
@@ -244,10 +267,10 @@ class HiFTGenerator(nn.Module):
     def _window(self, like: Tensor) -> Tensor:
         return self.stft_window.to(device=like.device, dtype=like.dtype)
 
-    def _source(self, mel: Tensor) -> Tensor:
+    def _source(self, mel: Tensor, generators: Generators) -> Tensor:
         f0 = self.f0_predictor(mel)
         f0 = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest")
-        return self.m_source(f0.transpose(1, 2)).transpose(1, 2)
+        return self.m_source(f0.transpose(1, 2), generators).transpose(1, 2)
 
     def _stft(self, source: Tensor) -> Tensor:
         spec = torch.stft(
@@ -280,15 +303,24 @@ class HiFTGenerator(nn.Module):
         phase = torch.sin(x[:, n_bins:])
         return torch.clamp(self._istft(magnitude, phase), -self.audio_limit, self.audio_limit)
 
-    def forward(self, speech_feat: Tensor, cache_source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        speech_feat: Tensor,
+        cache_source: Tensor | None = None,
+        *,
+        generators: Sequence[torch.Generator] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Vocode a mel (upstream's `inference`).
 
         speech_feat: (B, in_channels, F) log-mel. cache_source: optional (B, 1, c) source samples
         from the previous streaming chunk; they replace the first c samples of the new source so its
-        phase continues. Returns (speech (B, 480F), source (B, 1, 480F)).
+        phase continues. generators: optional, one per item on the mel's device; item i then draws
+        its source noise from generators[i] exactly as a batch-1 call would, so its audio does not
+        depend on the rest of the batch. None draws from torch's default generator, as upstream.
+        Returns (speech (B, 480F), source (B, 1, 480F)).
         Unlike upstream, not decorated with inference_mode: the caller picks the grad mode.
         """
-        source = self._source(speech_feat)
+        source = self._source(speech_feat, generators)
         if cache_source is not None and cache_source.shape[2] > 0:
             c = cache_source.shape[2]
             assert c <= source.shape[2], (

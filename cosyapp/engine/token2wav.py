@@ -1,0 +1,404 @@
+"""Token-to-wave service shared by every stream: one worker thread batches flow and HiFT work.
+
+    stream.run(tokens) --chunk schedule--> Job --queue--> worker: take all pending jobs (<= max_batch)
+        -> flow: one padded call per (streaming, finalize) mode -> per stream, in order: speed change,
+        HiFT caches, HiFT batched by equal mel length, cross-fade -> future -> stream yields audio
+
+A stream owns all its state (schedule, HiFT caches, noise generator), so its audio depends only on its
+own prompt, tokens and seed, never on which streams share its batches (inference map 8.2-8.3).
+"""
+
+import asyncio
+import contextlib
+import logging
+import math
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from cosyapp.engine.chunking import (
+    MEL_CACHE_FRAMES,
+    PRE_LOOKAHEAD,
+    ChunkSchedule,
+    HiFTOverlap,
+    StreamingSpeedChange,
+)
+from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
+from cosyapp.models.flow import MAX_MEL_FRAMES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Token2WavStats:
+    """Worker counters; read without blocking the worker."""
+
+    jobs_done: int = 0  # chunk jobs computed and delivered
+    jobs_dropped: int = 0  # jobs of closed streams skipped before any computation
+    last_flow_batch: int = 0  # items in the most recent flow call
+    max_flow_batch: int = 0
+    last_hift_batch: int = 0  # items in the most recent HiFT call
+    max_hift_batch: int = 0
+    queue_depth: int = 0  # jobs waiting for the worker
+
+
+@dataclass
+class StreamState:
+    """One stream's conditioning and vocoder state. The worker thread alone touches the caches."""
+
+    prompt: PromptInputs  # on the model's device
+    speed: float
+    generator: torch.Generator  # HiFT source noise of this stream only
+    resampler: StreamingSpeedChange | None  # streaming speed change; None in non-streaming mode
+    overlap: HiFTOverlap = field(default_factory=HiFTOverlap)
+    closed: bool = False  # set when the consumer goes away or a job failed: drop its work
+
+
+@dataclass
+class Job:
+    """One flow + HiFT call of one stream; the mel kept starts at token `offset`."""
+
+    state: StreamState
+    tokens: Tensor  # (n,) long: every token from the start, plus the lookahead in a chunk call
+    offset: int
+    streaming: bool  # chunk masks in the flow
+    finalize: bool  # full sequence, no lookahead; also the stream's last job
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    mel: Tensor | None = field(default=None, repr=False)  # the flow's new frames (80, n)
+
+
+class Token2Wav:
+    """The shared token-to-wave worker (flow + HiFT) with per-stream chunking and caches.
+
+    max_batch: most jobs taken per worker step. first_hop: tokens of the first streaming hop before
+    its alignment pad (25 as upstream; see ChunkSchedule for smaller values). autocast_dtype: run
+    the flow under autocast (fp16/bf16 on CUDA); HiFT always runs in float32, as upstream.
+    Jobs submitted before start() wait for it.
+    """
+
+    def __init__(
+        self,
+        model: CosyVoice2,
+        max_batch: int = 32,
+        first_hop: int = 25,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        ChunkSchedule(0, first_hop)  # validates first_hop
+        self.model = model
+        self.max_batch = max_batch
+        self.first_hop = first_hop
+        self.autocast_dtype = autocast_dtype
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._stats = Token2WavStats()
+
+    def start(self) -> None:
+        """Start the worker thread; idempotent."""
+        if self._thread is None:
+            self._stopped = False
+            self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop and join the worker; queued jobs fail with RuntimeError. Idempotent."""
+        if self._thread is not None:
+            self._stopped = True
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if job is not None:
+                    _deliver(job, error=RuntimeError("the token2wav worker was stopped"))
+
+    def stats(self) -> Token2WavStats:
+        """A snapshot of the counters."""
+        return replace(self._stats, queue_depth=self._queue.qsize())
+
+    def open_stream(
+        self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
+    ) -> "Token2WavStream":
+        """A stream for one sentence in `prompt`'s voice; `seed` drives its HiFT noise (None: random).
+
+        Raises ValueError if `speed` is not positive, or so high that the first streaming chunk would
+        be shorter than HiFT's 8-frame cache.
+        """
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
+        if streaming and math.floor((TOKEN_MEL_RATIO * self.first_hop - 1) / speed) <= MEL_CACHE_FRAMES:
+            raise ValueError(f"speed {speed} is too high for streaming with a first hop of {self.first_hop}")
+        device = self.model.device
+        dtype = self.model.flow.input_embedding.weight.dtype
+        generator = torch.Generator(device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        on_device = PromptInputs(
+            text_ids=prompt.text_ids,
+            speech_tokens=prompt.speech_tokens.to(device),
+            speech_feat=prompt.speech_feat.to(device, dtype),
+            embedding=prompt.embedding.to(device, dtype),
+        )
+        resampler = StreamingSpeedChange(speed) if streaming and speed != 1.0 else None
+        state = StreamState(on_device, speed, generator, resampler)
+        return Token2WavStream(self, state, streaming)
+
+    async def synthesize(
+        self, prompt: PromptInputs, tokens: list[int], speed: float = 1.0, seed: int | None = None
+    ) -> np.ndarray:
+        """Non-streaming audio of `tokens` in one job: float32 (480 * 2G / speed,) at 24 kHz."""
+
+        async def all_at_once() -> AsyncIterator[list[int]]:
+            yield list(tokens)
+
+        stream = self.open_stream(prompt, speed, streaming=False, seed=seed)
+        pieces = [piece async for piece in stream.run(all_at_once())]
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job for the worker. Raises RuntimeError after stop()."""
+        if self._stopped:
+            raise RuntimeError("the token2wav worker is stopped")
+        self._queue.put(job)
+
+    def _work(self) -> None:
+        with torch.inference_mode():
+            while (jobs := self._take()) is not None:
+                live = [job for job in jobs if not job.state.closed]
+                self._stats.jobs_dropped += len(jobs) - len(live)
+                self._flow(live)
+                for jobs_round in _rounds(live):
+                    # A failed job closes its stream: its later chunks are skipped.
+                    self._vocode([job for job in jobs_round if not job.state.closed])
+
+    def _take(self) -> list[Job] | None:
+        """Block for one job, then take every pending job up to max_batch; None once stopped."""
+        first = self._queue.get()
+        if first is None:
+            return None
+        jobs = [first]
+        while len(jobs) < self.max_batch:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._queue.put(None)  # finish this step, stop at the next
+                break
+            jobs.append(job)
+        return jobs
+
+    def _flow(self, jobs: list[Job]) -> None:
+        """Set job.mel for every job: one padded flow call per (streaming, finalize) mode."""
+        groups: dict[tuple[bool, bool], list[Job]] = {}
+        for job in jobs:
+            groups.setdefault((job.streaming, job.finalize), []).append(job)
+        for (streaming, finalize), group in groups.items():
+            with _failing(group, "flow"):
+                mels = self._flow_group(group, streaming, finalize)
+                for job, mel in zip(group, mels, strict=True):
+                    job.mel = mel
+
+    def _flow_group(self, jobs: list[Job], streaming: bool, finalize: bool) -> list[Tensor]:
+        dev = self.model.device
+        prompts = [job.state.prompt for job in jobs]
+        autocast = self.autocast_dtype is not None
+        with torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=autocast):
+            mel, mel_len = self.model.flow.inference(
+                token=pad_sequence([job.tokens for job in jobs], batch_first=True).to(dev),
+                token_len=torch.tensor([len(job.tokens) for job in jobs], device=dev),
+                prompt_token=pad_sequence([p.speech_tokens for p in prompts], batch_first=True),
+                prompt_token_len=torch.tensor([len(p.speech_tokens) for p in prompts], device=dev),
+                prompt_feat=pad_sequence([p.speech_feat for p in prompts], batch_first=True),
+                prompt_feat_len=torch.tensor([len(p.speech_feat) for p in prompts], device=dev),
+                embedding=torch.stack([p.embedding for p in prompts]),
+                streaming=streaming,
+                finalize=finalize,
+            )
+        self._stats.last_flow_batch = len(jobs)
+        self._stats.max_flow_batch = max(self._stats.max_flow_batch, len(jobs))
+        return [
+            mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)
+        ]
+
+    def _vocode(self, jobs: list[Job]) -> None:
+        """HiFT for at most one job per stream, batching jobs whose HiFT inputs have equal length.
+
+        HiFT's convolutions are not causal (they look both ways, and the iSTFT overlaps), so padding a
+        shorter mel would change the end of its audio: only equal lengths share a call, the rest run
+        in their own groups.
+        """
+        groups: dict[tuple[int, bool], list[tuple[Job, Tensor]]] = {}
+        for job in jobs:
+            with _failing([job], "speed change"):
+                mel = _hift_input(job)
+                has_cache = job.state.overlap.source is not None
+                groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
+        for group in groups.values():
+            outputs = None
+            with _failing([job for job, _ in group], "HiFT"):
+                outputs = self._hift(group)
+            if outputs is None:
+                continue
+            speech, source = outputs
+            for i, (job, mel) in enumerate(group):
+                with _failing([job], "cross-fade"):
+                    audio = job.state.overlap.finish(mel, speech[i], source[i], final=job.finalize)
+                    self._stats.jobs_done += 1
+                    _deliver(job, audio=audio.numpy().copy())
+
+    def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
+        """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
+        states = [job.state for job, _ in group]
+        caches = [s.overlap.source for s in states]
+        speech, source = self.model.hift(
+            torch.stack([mel for _, mel in group]),
+            None if caches[0] is None else torch.stack(caches),
+            generators=[s.generator for s in states],
+        )
+        self._stats.last_hift_batch = len(group)
+        self._stats.max_hift_batch = max(self._stats.max_hift_batch, len(group))
+        return speech.cpu(), source
+
+
+@contextlib.contextmanager
+def _failing(jobs: list[Job], what: str) -> Iterator[None]:
+    """Turn an error in the block into the result of `jobs` (closing their streams), so it ends only
+    the streams involved and the worker keeps serving the others."""
+    try:
+        yield
+    except Exception as error:
+        logger.exception("token2wav %s failed for %d jobs", what, len(jobs))
+        for job in jobs:
+            _deliver(job, error=error)
+
+
+def _rounds(jobs: list[Job]) -> Iterator[list[Job]]:
+    """Jobs in rounds holding at most one job per stream, each stream's jobs in submission order.
+
+    A stream's chunk k + 1 needs the HiFT caches of chunk k; different streams are independent.
+    """
+    per_stream: dict[int, list[Job]] = {}
+    for job in jobs:
+        per_stream.setdefault(id(job.state), []).append(job)
+    for k in range(max(map(len, per_stream.values()), default=0)):
+        yield [stream_jobs[k] for stream_jobs in per_stream.values() if len(stream_jobs) > k]
+
+
+def _hift_input(job: Job) -> Tensor:
+    """The mel HiFT gets for this job: the cached overlap frames, then the new (speed-changed) frames.
+
+    Speed: in streaming mode each chunk's new frames go through the stream's running resampler, and
+    the caches hold frames and samples of the stretched signal, so chunk boundaries, the 8-frame
+    overlap and the sample accounting work on the stretched mel exactly as on an unstretched one.
+    In non-streaming mode the whole mel is interpolated once, as upstream.
+    """
+    state, mel = job.state, job.mel
+    assert mel is not None
+    if state.resampler is not None:
+        mel = state.resampler.push(mel, final=job.finalize)
+    elif state.speed != 1.0:
+        mel = F.interpolate(mel[None], size=int(mel.shape[1] / state.speed), mode="linear")[0]
+    return state.overlap.mel_input(mel)
+
+
+def _deliver(job: Job, audio: np.ndarray | None = None, error: BaseException | None = None) -> None:
+    """Hand a result to the stream's event loop (from any thread); a failed stream is closed."""
+    if error is not None:
+        job.state.closed = True
+    if not job.loop.is_closed():
+        job.loop.call_soon_threadsafe(_resolve, job.future, audio, error)
+
+
+def _resolve(future: asyncio.Future, audio: np.ndarray | None, error: BaseException | None) -> None:
+    if future.done():  # cancelled by a consumer that went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(audio)
+
+
+class Token2WavStream:
+    """One sentence's token-to-wave conversion; made by Token2Wav.open_stream, run once."""
+
+    def __init__(self, engine: Token2Wav, state: StreamState, streaming: bool):
+        self.engine = engine
+        self.state = state
+        self.streaming = streaming
+        self.schedule = ChunkSchedule(len(state.prompt.speech_tokens), engine.first_hop)
+        self.tokens: list[int] = []
+        self._futures: list[asyncio.Future] = []
+        self._started = False
+
+    async def run(self, tokens: AsyncIterator[list[int]]) -> AsyncIterator[np.ndarray]:
+        """Consume the LM's token lists; yield float32 24 kHz audio chunks in order.
+
+        Chunk jobs are submitted as soon as the schedule allows, while earlier chunks are computed.
+        Non-streaming: one chunk at the end. No tokens: no audio. Closing this iterator (or cancelling
+        its consumer) drops the stream's pending jobs and closes `tokens`. Raises what the token
+        iterator or the worker raised, and ValueError if the sequence exceeds the flow's frame limit.
+        """
+        assert not self._started, "a Token2WavStream runs once"
+        self._started = True
+        ready: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read(tokens, ready))
+        try:
+            while (future := await ready.get()) is not None:
+                yield await future
+            await reader
+        finally:
+            self.state.closed = True
+            reader.cancel()
+            for future in self._futures:
+                future.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _read(self, tokens: AsyncIterator[list[int]], ready: asyncio.Queue) -> None:
+        try:
+            async for new in tokens:
+                self.tokens.extend(new)
+                while self.streaming and self.schedule.ready(len(self.tokens)):
+                    offset, end = self.schedule.advance()
+                    ready.put_nowait(self._submit(self.tokens[: end + PRE_LOOKAHEAD], offset, False))
+            if len(self.tokens) > self.schedule.offset:
+                ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
+        finally:
+            ready.put_nowait(None)
+            aclose = getattr(tokens, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _submit(self, tokens: list[int], offset: int, finalize: bool) -> asyncio.Future:
+        frames = TOKEN_MEL_RATIO * (len(self.state.prompt.speech_tokens) + len(tokens))
+        if frames > MAX_MEL_FRAMES:
+            raise ValueError(
+                f"prompt + speech tokens need {frames} mel frames; the flow handles {MAX_MEL_FRAMES}"
+            )
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._futures.append(future)
+        job = Job(
+            state=self.state,
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            offset=offset,
+            streaming=self.streaming and not finalize,
+            finalize=finalize,
+            future=future,
+            loop=loop,
+        )
+        self.engine.submit(job)
+        return future
