@@ -95,5 +95,7 @@ def test_endless_model_decodes_exactly_its_maximum(tmp_path):
 
     lm = load_model(write_random_model(tmp_path / "endless", seed=1, endless=True), device="cpu").lm
     text = torch.tensor([5, 6, 7])
-    tokens = list(lm.generate(torch.tensor([1, 2]), text, torch.tensor([9, 10]), torch.Generator().manual_seed(0)))
+    tokens = list(
+        lm.generate(torch.tensor([1, 2]), text, torch.tensor([9, 10]), torch.Generator().manual_seed(0))
+    )
     assert len(tokens) == lm.sampling.length_limits(len(text))[1] == 60
