@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = Path(os.environ.get("COSYAPP_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
@@ -16,6 +17,16 @@ def _load_manifest(name: str) -> dict[str, list[int]]:
         pytest.skip(f"checkpoint manifest {path} not present")
     data = json.loads(path.read_text())
     return {k: v for k, v in data.items() if not k.startswith("total_params") and not k.startswith("_")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: the engines run torch in worker threads beside the test's own, and on the
+    2 shared cores of the test machines more threads stall each other (seconds per tiny flow call)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

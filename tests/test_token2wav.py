@@ -16,15 +16,6 @@ SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples
 CACHE = 3840  # samples each chunk call holds back for the next chunk's cross-fade
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # The test machines have 2 shared cores; one intra-op thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _prompt(prompt_len: int, seed: int) -> PromptInputs:
     g = torch.Generator().manual_seed(seed)
     return PromptInputs(

@@ -1,0 +1,233 @@
+"""The Pipeline: one per process, shared by every session, from a request to streamed audio.
+
+    request -> text frontend (sentences, ids) -> per sentence: prompt embeddings -> LM engine
+    (batched across all requests) -> token2wav worker (batched across all streams) -> audio chunks
+
+Admission control bounds the streams in flight and the requests waiting; cancellation (closing the
+iterator, or cancelling the task that consumes it) aborts the LM request and drops pending token2wav
+work; an error in one request ends only that request.
+"""
+
+import asyncio
+import hashlib
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cosyapp.engine.lm import LMRequest, SpeechTokenLM
+from cosyapp.engine.metrics import Metrics, RequestRecord
+from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.frontend.text import TextFrontend
+from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
+from cosyapp.voices import Voice
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+MAX_SEED = 2**63 - 1
+
+
+class BusyError(RuntimeError):
+    """The pipeline is at its admission limits; the message says to try again."""
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """What a session asks for. ``seed`` None draws a fresh one; the same seed gives the same audio."""
+
+    text: str
+    voice: Voice
+    speed: float = 1.0
+    seed: int | None = None
+    streaming: bool = True
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """Consecutive float32 samples (N,) at ``sample_rate``; ``sentence`` is the sentence index."""
+
+    samples: np.ndarray
+    sample_rate: int
+    sentence: int
+
+
+def sentence_seed(seed: int, index: int) -> int:
+    """A per-sentence seed derived from the request seed (independent streams per sentence)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & MAX_SEED
+
+
+class Pipeline:
+    """Serves every session from one LM engine and one token2wav worker."""
+
+    def __init__(
+        self,
+        model: CosyVoice2,
+        text: TextFrontend,
+        lm: SpeechTokenLM,
+        token2wav: Token2Wav,
+        max_streams: int = 64,
+        max_waiting: int = 256,
+        metrics: Metrics | None = None,
+    ):
+        self.model = model
+        self.text = text
+        self.lm = lm
+        self.token2wav = token2wav
+        self.max_streams = max_streams
+        self.max_waiting = max_waiting
+        self.metrics = metrics or Metrics()
+        self._slots = asyncio.Semaphore(max_streams)
+        self._waiting = 0
+        self._active = 0
+        self._started = False
+        self.metrics.gauges.update(
+            queue_depth=lambda: self._waiting,
+            lm_batch_size=lambda: self.lm.stats().last_batch_size,
+            lm_max_batch_size=lambda: self.lm.stats().max_batch_size,
+            token2wav_batch_size=lambda: self.token2wav.stats().last_flow_batch,
+            token2wav_max_batch_size=lambda: self.token2wav.stats().max_flow_batch,
+            gpu_memory_gb=_gpu_memory_gb,
+        )
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.sample_rate
+
+    async def start(self) -> None:
+        """Start the engines (idempotent)."""
+        if not self._started:
+            await self.lm.start()
+            self.token2wav.start()
+            self._started = True
+
+    async def shutdown(self) -> None:
+        """Stop the engines (idempotent)."""
+        if self._started:
+            self._started = False
+            self.token2wav.stop()
+            await self.lm.shutdown()
+
+    def health(self) -> dict[str, object]:
+        """Engine state for /health: started, active streams, waiting requests."""
+        return {"ok": self._started, "active_streams": self._active, "waiting": self._waiting}
+
+    async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """Audio of ``request`` as it is produced (one chunk per sentence when not streaming).
+
+        Raises ``TextError`` / ``ValueError`` for unusable input before any work, and ``BusyError``
+        when the admission limits are reached.
+        """
+        sentences = self.text.prepare(request.text)
+        if not MIN_SPEED <= request.speed <= MAX_SPEED:
+            raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {request.speed}")
+        if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between 0 and {MAX_SEED}")
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        prompt = request.voice.prompt(self.text)
+        async with self._admission():
+            record = self.metrics.begin(request.request_id)
+            status = "failed"
+            try:
+                for index, sentence in enumerate(sentences):
+                    async for samples in self._sentence(request, prompt, sentence.ids, index, seed, record):
+                        self.metrics.audio(record, len(samples) / self.sample_rate)
+                        yield AudioChunk(samples, self.sample_rate, index)
+                status = "done"
+            except (asyncio.CancelledError, GeneratorExit):
+                status = "cancelled"
+                raise
+            finally:
+                self.metrics.end(record, status)
+
+    async def synthesize(self, request: SynthesisRequest) -> tuple[int, np.ndarray]:
+        """The whole clip of ``request``: (sample rate, float32 samples)."""
+        pieces = [chunk.samples async for chunk in self.stream(request)]
+        return self.sample_rate, np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    async def synthesize_batch(
+        self, requests: list[SynthesisRequest]
+    ) -> list[tuple[int, np.ndarray] | Exception]:
+        """Whole clips of many requests at once (their work shares the engines' batches).
+
+        Each entry is that request's clip or the exception that ended it; one failure never affects
+        the others.
+        """
+        return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
+
+    async def _sentence(
+        self,
+        request: SynthesisRequest,
+        prompt: PromptInputs,
+        ids: tuple[int, ...],
+        index: int,
+        seed: int,
+        record: RequestRecord,
+    ) -> AsyncIterator[np.ndarray]:
+        min_tokens, max_tokens = self.model.lm.sampling.length_limits(len(ids))
+        with torch.inference_mode():
+            embeds = self.model.lm.prompt_embeds(
+                prompt.text_ids, torch.tensor(ids, dtype=torch.long), prompt.speech_tokens
+            )
+        lm_request = LMRequest(
+            request_id=f"{request.request_id}-{index}",
+            prompt_embeds=embeds.float().cpu(),
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            seed=sentence_seed(seed, index),
+        )
+        tokens = self._counted(self.lm.generate(lm_request), record)
+        stream = self.token2wav.open_stream(
+            prompt, speed=request.speed, streaming=request.streaming, seed=sentence_seed(seed, index)
+        )
+        audio = stream.run(tokens)
+        try:
+            async for samples in audio:
+                yield samples
+        finally:
+            await audio.aclose()
+
+    async def _counted(
+        self, tokens: AsyncIterator[list[int]], record: RequestRecord
+    ) -> AsyncIterator[list[int]]:
+        try:
+            async for new in tokens:
+                self.metrics.tokens(record, len(new))
+                yield new
+        finally:
+            await tokens.aclose()
+
+    def _admission(self) -> "_Admission":
+        if self._slots.locked() and self._waiting >= self.max_waiting:
+            self.metrics.rejected()
+            raise BusyError(
+                f"the server is busy ({self.max_streams} streams running, {self._waiting} waiting); "
+                "try again in a moment"
+            )
+        return _Admission(self)
+
+
+class _Admission:
+    """Holds one stream slot for the duration of a request; counts the requests waiting for one."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+
+    async def __aenter__(self) -> None:
+        self.pipeline._waiting += 1
+        try:
+            await self.pipeline._slots.acquire()
+        finally:
+            self.pipeline._waiting -= 1
+        self.pipeline._active += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pipeline._active -= 1
+        self.pipeline._slots.release()
+
+
+def _gpu_memory_gb() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0

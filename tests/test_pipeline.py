@@ -1,0 +1,166 @@
+"""The Pipeline over the PyTorch LM engine and the token2wav worker, on an endless tiny model.
+
+The endless model cannot emit stop tokens, so every sentence decodes exactly 20 tokens per text token
+and every clip's length is known in advance: 960 samples per speech token.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from cosyapp.engine.lm_torch import TorchSpeechLM
+from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
+from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.frontend.text import TextError, TextFrontend
+from cosyapp.frontend.voice import VoiceFrontend
+from cosyapp.models.checkpoint import load_model
+from cosyapp.models.tiny import write_random_model
+from cosyapp.voices import VoiceLibrary
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    folder = write_random_model(tmp_path_factory.mktemp("endless") / "model", seed=2, endless=True)
+    model = load_model(folder, device="cpu")
+    text = TextFrontend(folder / "CosyVoice-BlankEN")
+    voices = VoiceLibrary(tmp_path_factory.mktemp("voices"), VoiceFrontend(folder))
+    return model, text, voices.get("zh-aishell-w0122")
+
+
+def run(parts, body, **options):
+    """Run ``body(pipeline, voice)`` on a started pipeline and shut it down afterwards."""
+    model, text, voice = parts
+
+    async def main():
+        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), Token2Wav(model), **options)
+        await pipeline.start()
+        try:
+            return await body(pipeline, voice)
+        finally:
+            await pipeline.shutdown()
+
+    return asyncio.run(main())
+
+
+def expected_samples(pipeline, text, speed=1.0):
+    tokens = sum(20 * len(s.ids) for s in pipeline.text.prepare(text))
+    return 480 * int(2 * tokens / speed) if speed != 1.0 else 960 * tokens
+
+
+SHORT = "One two."
+
+
+async def collect(pipeline, request):
+    return [chunk async for chunk in pipeline.stream(request)]
+
+
+def test_streamed_chunks_add_up_to_the_token_count(parts):
+    async def body(pipeline, voice):
+        chunks = await collect(pipeline, SynthesisRequest(SHORT, voice, seed=1))
+        return chunks, expected_samples(pipeline, SHORT)
+
+    chunks, expected = run(parts, body)
+    assert len(chunks) > 1 and all(c.sample_rate == 24000 for c in chunks)
+    assert sum(len(c.samples) for c in chunks) == expected
+
+
+def test_non_streaming_gives_one_chunk_per_sentence_of_the_same_length(parts):
+    text = "First one. Second one here."
+
+    async def body(pipeline, voice):
+        chunks = await collect(pipeline, SynthesisRequest(text, voice, seed=1, streaming=False))
+        return chunks, expected_samples(pipeline, text), len(pipeline.text.prepare(text))
+
+    chunks, expected, sentences = run(parts, body)
+    assert [c.sentence for c in chunks] == list(range(sentences))
+    assert sum(len(c.samples) for c in chunks) == expected
+
+
+def test_concurrent_requests_do_not_change_each_others_audio(parts):
+    async def body(pipeline, voice):
+        alone = await pipeline.synthesize(SynthesisRequest(SHORT, voice, seed=42))
+        others = [SynthesisRequest(f"Other text number {i}.", voice, seed=i) for i in range(7)]
+        together = await asyncio.gather(
+            pipeline.synthesize(SynthesisRequest(SHORT, voice, seed=42)),
+            *(pipeline.synthesize(r) for r in others),
+        )
+        return alone, together, pipeline.lm.stats().max_batch_size, pipeline.token2wav.stats().max_flow_batch
+
+    (_, alone), together, lm_batch, flow_batch = run(parts, body)
+    assert lm_batch == 8 and flow_batch > 1
+    _, beside = together[0]
+    assert len(beside) == len(alone)
+    # Same seed, same tokens; the flow differs only by float rounding under padding (measured ~1e-7).
+    np.testing.assert_allclose(beside, alone, atol=1e-5)
+    assert all(len(audio) > 0 for _, audio in together)
+
+
+def test_cancelling_a_stream_aborts_its_work_and_frees_its_slot(parts):
+    async def body(pipeline, voice):
+        stream = pipeline.stream(SynthesisRequest("A long sentence to cancel midway through.", voice, seed=3))
+        first = await anext(stream)
+        await stream.aclose()
+        await asyncio.sleep(0.2)
+        return first, pipeline.health(), pipeline.lm.stats().running, pipeline.metrics.snapshot()
+
+    first, health, lm_running, snap = run(parts, body)
+    assert len(first.samples) > 0
+    assert health["active_streams"] == 0 and lm_running == 0
+    assert snap["cancelled"] == 1 and snap["active_streams"] == 0
+
+
+def test_admission_control_refuses_beyond_the_limits(parts):
+    async def body(pipeline, voice):
+        first = pipeline.stream(SynthesisRequest(SHORT, voice, seed=1))
+        await anext(first)  # holds the only slot
+        with pytest.raises(BusyError, match="busy"):
+            await anext(pipeline.stream(SynthesisRequest(SHORT, voice, seed=2)))
+        await first.aclose()
+        return pipeline.metrics.snapshot()["rejected"]
+
+    assert run(parts, body, max_streams=1, max_waiting=0) == 1
+
+
+def test_bad_input_fails_only_its_own_request(parts):
+    async def body(pipeline, voice):
+        return await pipeline.synthesize_batch(
+            [
+                SynthesisRequest(SHORT, voice, seed=1),
+                SynthesisRequest("   ", voice),
+                SynthesisRequest(SHORT, voice, speed=3.0),
+                SynthesisRequest(SHORT, voice, seed=-1),
+            ]
+        )
+
+    good, empty, fast, negative = run(parts, body)
+    assert isinstance(good, tuple) and len(good[1]) > 0
+    assert isinstance(empty, TextError)
+    assert isinstance(fast, ValueError) and "speed" in str(fast)
+    assert isinstance(negative, ValueError) and "seed" in str(negative)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_speed_changes_duration(parts, streaming):
+    async def body(pipeline, voice):
+        out = {}
+        for speed in (0.5, 2.0):
+            _, audio = await pipeline.synthesize(
+                SynthesisRequest(SHORT, voice, speed=speed, seed=1, streaming=streaming)
+            )
+            out[speed] = (len(audio), expected_samples(pipeline, SHORT, speed))
+        return out
+
+    for speed, (got, expected) in run(parts, body).items():
+        assert abs(got - expected) <= 480, speed
+
+
+def test_metrics_record_first_audio_and_tokens(parts):
+    async def body(pipeline, voice):
+        await pipeline.synthesize(SynthesisRequest(SHORT, voice, seed=1))
+        return pipeline.metrics.snapshot(), expected_samples(pipeline, SHORT) // 960
+
+    snap, tokens = run(parts, body)
+    assert snap["done"] == 1 and snap["ttfa_p50_60s"] > 0
+    assert snap["tokens_per_s_60s"] * 60 == pytest.approx(tokens)
+    assert snap["lm_max_batch_size"] >= 1 and "gpu_memory_gb" in snap
