@@ -1,0 +1,82 @@
+"""Assemble the one Pipeline of a process from a loaded model and a few serving choices."""
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosyapp.engine.lm import SpeechTokenLM
+from cosyapp.engine.pipeline import Pipeline
+from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.frontend.text import TextFrontend
+from cosyapp.models.checkpoint import BACKBONE_DIR
+from cosyapp.models.cosyvoice2 import CosyVoice2
+
+log = logging.getLogger(__name__)
+ENGINES = ("auto", "vllm", "torch")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Serving choices. ``engine`` auto = vLLM when installed and a GPU is present, else PyTorch."""
+
+    engine: str = "auto"
+    cache_dir: Path = Path.home() / ".cache" / "cosyapp"
+    max_streams: int = 64
+    max_waiting: int = 256
+    gpu_memory_utilization: float = 0.3
+    max_batch: int = 64  # largest LM decode batch and token2wav batch
+    flow_dtype: torch.dtype | None = None  # None: float16 autocast on CUDA, float32 on CPU
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None  # vLLM on CPU needs an explicit KV cache size
+
+
+def choose_engine(requested: str, device: torch.device) -> str:
+    """The LM engine to use: ``requested`` unless "auto"; raises ValueError for an unknown name."""
+    if requested not in ENGINES:
+        raise ValueError(f"unknown engine {requested!r}; choose one of {', '.join(ENGINES)}")
+    if requested != "auto":
+        return requested
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    return "vllm" if has_vllm and device.type == "cuda" else "torch"
+
+
+def build_lm_engine(model: CosyVoice2, options: EngineOptions) -> SpeechTokenLM:
+    """The speech-token LM engine over ``model.lm`` (vLLM gets an exported copy of its weights)."""
+    name = choose_engine(options.engine, model.device)
+    log.info("speech-token LM engine: %s", name)
+    if name == "torch":
+        from cosyapp.engine.lm_torch import TorchSpeechLM
+
+        return TorchSpeechLM(model.lm, max_batch=options.max_batch)
+    from cosyapp.engine.lm_vllm import VllmSpeechLM, export_for_vllm
+
+    on_gpu = model.device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    folder = export_for_vllm(model.lm, model.model_dir, options.cache_dir / "vllm", dtype=dtype)
+    return VllmSpeechLM(
+        folder,
+        model.lm.sampling,
+        dtype=dtype,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        max_num_seqs=options.max_batch,
+        enforce_eager=options.enforce_eager,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes if not on_gpu else None,
+    )
+
+
+def build_pipeline(model: CosyVoice2, options: EngineOptions) -> Pipeline:
+    """The Pipeline of this process: text frontend, LM engine, token2wav worker, admission limits."""
+    flow_dtype = options.flow_dtype
+    if flow_dtype is None and model.device.type == "cuda":
+        flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
+    return Pipeline(
+        model,
+        TextFrontend(model.model_dir / BACKBONE_DIR),
+        build_lm_engine(model, options),
+        Token2Wav(model, max_batch=options.max_batch, autocast_dtype=flow_dtype),
+        max_streams=options.max_streams,
+        max_waiting=options.max_waiting,
+    )
