@@ -68,15 +68,42 @@ async def one_request(pipeline: Pipeline, text: str, voice: Voice, seed: int, st
     return {"ttfa": first, "total": total, "audio": samples / pipeline.sample_rate}
 
 
+async def sample_batches(pipeline: Pipeline, seen: dict[str, list[int]], period: float = 0.002) -> None:
+    """Record the engines' batch sizes every ``period`` seconds until cancelled.
+
+    A size counts only once its engine has made progress since the level began, so the last batch of
+    an earlier level is never reported.
+    """
+    lm0, t2w0 = pipeline.lm.stats(), pipeline.token2wav.stats()
+    while True:
+        lm, t2w = pipeline.lm.stats(), pipeline.token2wav.stats()
+        if lm.tokens_generated > lm0.tokens_generated:
+            seen["lm"].append(lm.last_batch_size)
+        if t2w.flow_calls > t2w0.flow_calls:
+            seen["flow"].append(t2w.last_flow_batch)
+        if t2w.hift_calls > t2w0.hift_calls:
+            seen["hift"].append(t2w.last_hift_batch)
+        await asyncio.sleep(period)
+
+
 async def run_level(pipeline: Pipeline, text: str, voice: Voice, clients: int, streaming: bool) -> dict:
-    """``clients`` requests at once; latency percentiles and aggregate throughput."""
+    """``clients`` requests at once; latency percentiles, aggregate throughput, batch sizes, stage times."""
+    seen: dict[str, list[int]] = {"lm": [], "flow": [], "hift": []}
+    sampler = asyncio.create_task(sample_batches(pipeline, seen))
+    stages_before = pipeline.token2wav.stats()
     start = time.perf_counter()
-    results = await asyncio.gather(
-        *(one_request(pipeline, text, voice, seed=1000 + i, streaming=streaming) for i in range(clients))
-    )
+    try:
+        results = await asyncio.gather(
+            *(one_request(pipeline, text, voice, seed=1000 + i, streaming=streaming) for i in range(clients))
+        )
+    finally:
+        sampler.cancel()
     wall = time.perf_counter() - start
+    stages = pipeline.token2wav.stats()
     ttfa = [r["ttfa"] for r in results]
     audio = sum(r["audio"] for r in results)
+    flow_calls = stages.flow_calls - stages_before.flow_calls
+    hift_calls = stages.hift_calls - stages_before.hift_calls
     return {
         "clients": clients,
         "streaming": streaming,
@@ -88,9 +115,15 @@ async def run_level(pipeline: Pipeline, text: str, voice: Voice, clients: int, s
         "audio_s": audio,
         "audio_per_wall_s": audio / wall,
         "rtf_aggregate": wall / audio,
-        "lm_max_batch": pipeline.lm.stats().max_batch_size,
-        "token2wav_max_flow_batch": pipeline.token2wav.stats().max_flow_batch,
-        "token2wav_max_hift_batch": pipeline.token2wav.stats().max_hift_batch,
+        "lm_max_batch": max(seen["lm"], default=0),
+        "token2wav_max_flow_batch": max(seen["flow"], default=0),
+        "token2wav_max_hift_batch": max(seen["hift"], default=0),
+        "flow_calls": flow_calls,
+        "flow_s_total": stages.flow_seconds - stages_before.flow_seconds,
+        "flow_ms_per_call": 1000 * (stages.flow_seconds - stages_before.flow_seconds) / max(flow_calls, 1),
+        "hift_calls": hift_calls,
+        "hift_s_total": stages.hift_seconds - stages_before.hift_seconds,
+        "hift_ms_per_call": 1000 * (stages.hift_seconds - stages_before.hift_seconds) / max(hift_calls, 1),
         "gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
     }
 
@@ -116,10 +149,10 @@ async def run(args: argparse.Namespace) -> dict:
     )
     pipeline = build_pipeline(model, options)
     voice = bench_voice()
+    text = text_for_tokens(pipeline, args.tokens)
     started = time.perf_counter()
     await pipeline.start()
     startup = time.perf_counter() - started
-    text = text_for_tokens(pipeline, args.tokens)
     await run_level(pipeline, text, voice, min(max(args.clients), args.max_batch), streaming=True)  # warm-up
     levels = []
     try:
@@ -150,7 +183,8 @@ def _row(level: dict) -> str:
         f"{mode:6} clients {level['clients']:4}  TTFA p50 {level['ttfa_p50'] * 1000:7.0f} ms  "
         f"p99 {level['ttfa_p99'] * 1000:7.0f} ms  RTF {level['rtf_aggregate']:.4f}  "
         f"{level['audio_per_wall_s']:7.1f} audio s/s  LM batch<={level['lm_max_batch']}  "
-        f"flow batch<={level['token2wav_max_flow_batch']}"
+        f"flow batch<={level['token2wav_max_flow_batch']} ({level['flow_ms_per_call']:.0f} ms/call, "
+        f"{level['flow_calls']} calls)  HiFT {level['hift_ms_per_call']:.0f} ms/call ({level['hift_calls']})"
     )
 
 

@@ -14,6 +14,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -47,6 +48,10 @@ class Token2WavStats:
     last_hift_batch: int = 0  # items in the most recent HiFT call
     max_hift_batch: int = 0
     queue_depth: int = 0  # jobs waiting for the worker
+    flow_calls: int = 0
+    flow_seconds: float = 0.0  # wall time of flow calls, device work included
+    hift_calls: int = 0
+    hift_seconds: float = 0.0
 
 
 @dataclass
@@ -207,7 +212,12 @@ class Token2Wav:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
         for (streaming, finalize), group in groups.items():
             with _failing(group, "flow"):
+                started = time.perf_counter()
                 mels = self._flow_group(group, streaming, finalize)
+                if mels and mels[0].is_cuda:
+                    torch.cuda.synchronize(mels[0].device)  # count the device time, not just the launches
+                self._stats.flow_calls += 1
+                self._stats.flow_seconds += time.perf_counter() - started
                 for job, mel in zip(group, mels, strict=True):
                     job.mel = mel
 
@@ -249,7 +259,10 @@ class Token2Wav:
         for group in groups.values():
             outputs = None
             with _failing([job for job, _ in group], "HiFT"):
-                outputs = self._hift(group)
+                started = time.perf_counter()
+                outputs = self._hift(group)  # ends with a copy to the CPU, so the device work is done
+                self._stats.hift_calls += 1
+                self._stats.hift_seconds += time.perf_counter() - started
             if outputs is None:
                 continue
             speech, source = outputs
