@@ -217,3 +217,19 @@ def test_metrics_record_first_audio_and_tokens(served, loop):
     assert snap["done"] == 1 and snap["ttfa_p50_60s"] > 0
     assert snap["tokens_per_s_60s"] * 60 == pytest.approx(tokens)
     assert snap["lm_max_batch_size"] >= 1 and "gpu_memory_gb" in snap
+
+
+def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
+    model, text, _ = parts
+
+    async def body():
+        token2wav = Token2Wav(model, max_batch=4)
+        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), token2wav)
+        await pipeline.start(warm_up=True)
+        try:
+            return token2wav.stats()
+        finally:
+            await pipeline.shutdown()
+
+    stats = loop.run_until_complete(body())
+    assert stats.max_flow_batch == 4 and stats.jobs_done > 0

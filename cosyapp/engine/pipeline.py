@@ -97,12 +97,39 @@ class Pipeline:
     def sample_rate(self) -> int:
         return self.model.sample_rate
 
-    async def start(self) -> None:
-        """Start the engines (idempotent)."""
+    async def start(self, warm_up: bool = False) -> None:
+        """Start the engines (idempotent); ``warm_up`` also runs token2wav at every batch size it
+        will see, so first requests do not pay for kernel selection and allocator growth."""
         if not self._started:
             await self.lm.start()
             self.token2wav.start()
             self._started = True
+            if warm_up:
+                await self.warm_up_token2wav()
+
+    async def warm_up_token2wav(self) -> None:
+        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once."""
+        g = torch.Generator().manual_seed(0)
+        prompt = PromptInputs(
+            text_ids=torch.zeros(1, dtype=torch.long),
+            speech_tokens=torch.randint(0, 6561, (75,), generator=g),
+            speech_feat=torch.randn(150, 80, generator=g) - 5.0,
+            embedding=torch.randn(192, generator=g),
+        )
+        tokens = torch.randint(0, 6561, (100,), generator=g).tolist()
+
+        async def streamed() -> None:
+            async def feed():
+                yield tokens
+
+            async for _ in self.token2wav.open_stream(prompt, streaming=True, seed=0).run(feed()):
+                pass
+
+        batch = 1
+        while batch <= self.token2wav.max_batch:
+            await asyncio.gather(*(streamed() for _ in range(batch)))
+            await asyncio.gather(*(self.token2wav.synthesize(prompt, tokens, seed=0) for _ in range(batch)))
+            batch *= 2
 
     async def shutdown(self) -> None:
         """Stop the engines (idempotent)."""
