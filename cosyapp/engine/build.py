@@ -30,7 +30,8 @@ class EngineOptions:
     max_batch: int = 64  # largest LM decode batch and token2wav batch
     flow_dtype: torch.dtype | None = None  # None: float16 autocast on CUDA, float32 on CPU
     enforce_eager: bool = False
-    kv_cache_memory_bytes: int | None = None  # vLLM on CPU needs an explicit KV cache size
+    kv_cache_memory_bytes: int = 256 << 20  # vLLM's KV cache on the CPU (a GPU uses the utilisation)
+    max_text_chars: int = 5000
 
 
 def choose_engine(requested: str, device: torch.device) -> str:
@@ -74,7 +75,7 @@ def build_pipeline(model: CosyVoice2, options: EngineOptions) -> Pipeline:
         flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
     return Pipeline(
         model,
-        TextFrontend(model.model_dir / BACKBONE_DIR),
+        TextFrontend(model.model_dir / BACKBONE_DIR, max_chars=options.max_text_chars),
         build_lm_engine(model, options),
         Token2Wav(model, max_batch=options.max_batch, autocast_dtype=flow_dtype),
         max_streams=options.max_streams,

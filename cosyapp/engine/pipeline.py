@@ -84,6 +84,7 @@ class Pipeline:
         self._waiting = 0
         self._active = 0
         self._started = False
+        self._start_lock: asyncio.Lock | None = None
         self.metrics.gauges.update(
             queue_depth=lambda: self._waiting,
             lm_batch_size=lambda: self.lm.stats().last_batch_size,
@@ -98,9 +99,15 @@ class Pipeline:
         return self.model.sample_rate
 
     async def start(self, warm_up: bool = False) -> None:
-        """Start the engines (idempotent); ``warm_up`` also runs token2wav at every batch size it
-        will see, so first requests do not pay for kernel selection and allocator growth."""
-        if not self._started:
+        """Start the engines on the running event loop (idempotent; the first request starts them too).
+
+        ``warm_up`` also runs token2wav at every batch size it will see, so first requests do not pay
+        for kernel selection and allocator growth. The vLLM engine stays bound to this loop.
+        """
+        self._start_lock = self._start_lock or asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
             await self.lm.start()
             self.token2wav.start()
             self._started = True
@@ -155,6 +162,7 @@ class Pipeline:
             raise ValueError(f"seed must be between 0 and {MAX_SEED}")
         seed = secrets.randbits(63) if request.seed is None else request.seed
         prompt = request.voice.prompt(self.text)
+        await self.start()
         async with self._admission():
             record = self.metrics.begin(request.request_id)
             status = "failed"

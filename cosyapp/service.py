@@ -1,0 +1,73 @@
+"""Everything one cosyapp process serves with, built once from Settings: the Pipeline and the voices.
+
+The UI and the HTTP API both take a ``Service``; neither touches torch.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from cosyapp.engine.build import EngineOptions, build_pipeline
+from cosyapp.engine.pipeline import Pipeline
+from cosyapp.models.checkpoint import ModelFolderError, load_model, resolve_model_dir
+from cosyapp.settings import DEFAULT_REPO, Settings
+from cosyapp.voices import VoiceLibrary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """The shared state of the process. ``demo_reason`` is set (and shown in the page) when the
+    model has random weights, saying why."""
+
+    settings: Settings
+    pipeline: Pipeline
+    voices: VoiceLibrary
+    model_dir: Path
+    demo_reason: str | None = None
+
+
+def demo_model(settings: Settings) -> Path:
+    """The tiny random-weight model, written once under the cache folder."""
+    from cosyapp.models.tiny import write_tiny_model
+
+    folder = settings.cache_dir / "tiny-model"
+    if not (folder / "speech_tokenizer_v2.onnx").is_file():
+        write_tiny_model(folder)
+    return folder
+
+
+def choose_model(settings: Settings) -> tuple[Path, str | None]:
+    """(model folder, demo reason). Falls back to the demo model only when the default model cannot be
+    had (e.g. offline); a model the user named explicitly must load, or this raises ModelFolderError."""
+    if settings.demo:
+        return demo_model(settings), "started with --demo"
+    try:
+        return resolve_model_dir(settings.model), None
+    except ModelFolderError as e:
+        if settings.model != DEFAULT_REPO:
+            raise
+        log.warning("%s; starting with the demo model instead", e)
+        return demo_model(settings), f"{DEFAULT_REPO} could not be downloaded ({type(e).__name__})"
+
+
+def build_service(settings: Settings) -> Service:
+    """Load the model, build the Pipeline and the voice library (engines are started by the caller)."""
+    from cosyapp.frontend.voice import VoiceFrontend
+
+    folder, demo_reason = choose_model(settings)
+    model = load_model(folder, device=settings.device)
+    options = EngineOptions(
+        engine=settings.engine,
+        cache_dir=settings.cache_dir,
+        max_streams=settings.max_streams,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_text_chars=settings.max_text_chars,
+        enforce_eager=model.device.type == "cpu",
+    )
+    pipeline = build_pipeline(model, options)
+    voices = VoiceLibrary(
+        settings.data_dir, VoiceFrontend(folder, model.device), spk2info=folder / "spk2info.pt"
+    )
+    return Service(settings, pipeline, voices, folder, demo_reason)
