@@ -32,6 +32,7 @@ class EngineOptions:
     enforce_eager: bool = False
     kv_cache_memory_bytes: int = 256 << 20  # vLLM's KV cache on the CPU (a GPU uses the utilisation)
     max_text_chars: int = 5000
+    cuda_graphs: bool = True  # replay the flow estimator from CUDA graphs (on a GPU)
 
 
 def choose_engine(requested: str, device: torch.device) -> str:
@@ -73,6 +74,12 @@ def build_pipeline(model: CosyVoice2, options: EngineOptions) -> Pipeline:
     flow_dtype = options.flow_dtype
     if flow_dtype is None and model.device.type == "cuda":
         flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
+    if options.cuda_graphs and model.device.type == "cuda":
+        from cosyapp.engine.graphs import GraphedEstimator
+
+        decoder = model.flow.decoder
+        if not isinstance(decoder.estimator, GraphedEstimator):
+            decoder.estimator = GraphedEstimator(decoder.estimator)
     return Pipeline(
         model,
         TextFrontend(model.model_dir / BACKBONE_DIR, max_chars=options.max_text_chars),
