@@ -145,7 +145,7 @@ async def run(args: argparse.Namespace) -> dict:
         max_batch=args.max_batch,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=device.type == "cpu",
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=args.cuda_graphs,
     )
     pipeline = build_pipeline(model, options)
     voice = bench_voice()
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="stream", help="stream, whole or stream,whole")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run the flow estimator eagerly")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay the flow estimator from CUDA graphs")
     parser.add_argument("--workdir", default=None, help="where the random model and caches go")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
