@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="stream", help="stream, whole or stream,whole")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay the flow estimator from CUDA graphs")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay the flow estimator from CUDA graphs"
+    )
     parser.add_argument("--workdir", default=None, help="where the random model and caches go")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
