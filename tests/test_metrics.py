@@ -72,7 +72,8 @@ def test_prometheus_text_has_counters_and_gauges():
     metrics = Metrics(clock)
     run_request(metrics, clock, "a", 0.25, 1.0, 2.0)
     text = metrics.prometheus()
-    assert 'cosyapp_requests_total{outcome="done"} 1' in text
+    assert 'cosyapp_requests_total{outcome="done"} 1' in text and "cosyapp_requests_started_total 1" in text
+    assert 'outcome="requests"' not in text
     assert "# TYPE cosyapp_ttfa_p50_10s gauge\ncosyapp_ttfa_p50_10s 0.25\n" in text
     assert "None" not in text
 

@@ -131,12 +131,15 @@ class Metrics:
     def prometheus(self) -> str:
         """The snapshot in Prometheus text exposition format (``cosyapp_`` prefix).
 
-        Request totals become one counter labelled by outcome; everything else is a gauge.
+        Requests started are one counter, finished or refused ones another labelled by outcome;
+        everything else is a gauge.
         """
         snapshot = self.snapshot()
-        lines = ["# TYPE cosyapp_requests_total counter"]
-        for status in self.totals:
-            lines.append(f'cosyapp_requests_total{{outcome="{status}"}} {snapshot.pop(status)}')
+        lines = ["# TYPE cosyapp_requests_started_total counter"]
+        lines.append(f"cosyapp_requests_started_total {snapshot.pop('requests')}")
+        lines.append("# TYPE cosyapp_requests_total counter")
+        for outcome in [key for key in self.totals if key != "requests"]:
+            lines.append(f'cosyapp_requests_total{{outcome="{outcome}"}} {snapshot.pop(outcome)}')
         for name, value in snapshot.items():
             if value is not None:
                 lines += [f"# TYPE cosyapp_{name} gauge", f"cosyapp_{name} {float(value):.6g}"]

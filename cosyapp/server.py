@@ -1,0 +1,324 @@
+"""The HTTP server of a process: the Gradio UI at ``/`` and, beside it, from the same Service:
+
+    GET  /health            engine state (200 serving, 503 starting / failed / stopped)
+    GET  /metrics           Prometheus text from the Pipeline's metrics
+    POST /v1/audio/speech   OpenAI-compatible speech: a whole WAV / raw PCM clip, or streamed as produced
+    GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
+
+The engines start on the server's own event loop (the vLLM engine stays bound to it), in the lifespan.
+"""
+
+import asyncio
+import logging
+import struct
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import gradio as gr
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict
+
+from cosyapp.engine.build import choose_engine
+from cosyapp.engine.pipeline import MAX_SEED, MAX_SPEED, MIN_SPEED, AudioChunk, BusyError, SynthesisRequest
+from cosyapp.frontend.text import TextError
+from cosyapp.service import Service
+from cosyapp.ui import build_demo, launch_options, mount_options
+from cosyapp.voices import VoiceNotFoundError
+
+log = logging.getLogger(__name__)
+
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+PROMETHEUS_TEXT = "text/plain; version=0.0.4"
+RETRY_AFTER_S = 1
+UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF/data size of a WAV whose length is not known when the header is sent
+
+
+class SpeechRequest(BaseModel):
+    """Body of POST /v1/audio/speech: OpenAI's fields plus ``seed``. Strict types, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = "cosyvoice2"  # accepted for OpenAI clients; the one loaded model serves every request
+    input: str
+    voice: str
+    speed: float = 1.0
+    response_format: str = "wav"
+    stream: bool = False
+    seed: int | None = None
+
+
+class ApiError(Exception):
+    """An error the client caused (or a full server), answered as OpenAI's JSON error object."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass
+class EngineStart:
+    """The task starting the engines, so /health can tell starting, failed and serving apart."""
+
+    task: asyncio.Task | None = None
+
+    def state(self, engine_ok: bool) -> str:
+        if self.task is None:
+            return "not started"
+        if not self.task.done():
+            return "starting"
+        if self.task.cancelled() or self.task.exception() is not None:
+            return "failed"
+        return "serving" if engine_ok else "stopped"
+
+    def error(self) -> str | None:
+        if self.task is None or not self.task.done() or self.task.cancelled():
+            return None
+        error = self.task.exception()
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
+    """The 44-byte header of 16-bit mono PCM; ``data_bytes`` None (a stream) writes 0xFFFFFFFF sizes."""
+    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
+    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF", riff, b"WAVE",
+        b"fmt ", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16,
+        b"data", data,
+    )  # fmt: skip
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """float samples in [-1, 1] -> little-endian int16 bytes."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+class AudioStream(StreamingResponse):
+    """Audio chunks sent as the pipeline produces them (a WAV header of unknown length first, for wav).
+
+    The pipeline stream is closed after the response however it ended, so a client that goes away
+    aborts its engine work and frees its stream slot at once.
+    """
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[AudioChunk, None],
+        first: AudioChunk | None,
+        response_format: str,
+        sample_rate: int,
+    ):
+        self.chunks = chunks
+        # Proxies (e.g. the one in front of a Space) must pass chunks on, not buffer the response.
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        body = self._body(first, response_format, sample_rate)
+        super().__init__(body, media_type=MEDIA_TYPES[response_format], headers=headers)
+
+    async def _body(
+        self, first: AudioChunk | None, response_format: str, sample_rate: int
+    ) -> AsyncIterator[bytes]:
+        if response_format == "wav":
+            yield wav_header(sample_rate, None)
+        if first is not None:
+            yield pcm16(first.samples)
+        async for chunk in self.chunks:
+            yield pcm16(chunk.samples)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # the request's scope is cancelled on a disconnect
+                await self.chunks.aclose()
+
+
+def speech_route(service: Service):
+    pipeline = service.pipeline
+
+    async def speech(body: SpeechRequest) -> Response:
+        """Speak ``input`` in ``voice``: 24 kHz mono 16-bit WAV or raw PCM, whole or streamed."""
+        if body.response_format not in MEDIA_TYPES:
+            supported = ", ".join(MEDIA_TYPES)
+            message = f"response_format {body.response_format!r} is not supported; use one of: {supported}"
+            raise ApiError(400, message, "response_format")
+        if not MIN_SPEED <= body.speed <= MAX_SPEED:
+            raise ApiError(
+                400, f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {body.speed}", "speed"
+            )
+        if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
+            raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", "seed")
+        try:
+            voice = await asyncio.to_thread(service.voices.get, body.voice)
+        except VoiceNotFoundError:
+            message = f"voice {body.voice!r} not found; GET /v1/audio/voices lists the voices"
+            raise ApiError(404, message, "voice", "not_found_error") from None
+        request = SynthesisRequest(body.input, voice, body.speed, body.seed, streaming=body.stream)
+        chunks = pipeline.stream(request)
+        try:  # bad text and a full server raise before the first chunk, while a status can still be sent
+            first = await anext(chunks, None)
+        except TextError as e:
+            raise ApiError(400, str(e), "input") from None
+        except BusyError as e:
+            raise ApiError(503, str(e), None, "server_busy") from None
+        if body.stream:
+            return AudioStream(chunks, first, body.response_format, pipeline.sample_rate)
+        try:
+            pieces = [] if first is None else [pcm16(first.samples)]
+            pieces += [pcm16(chunk.samples) async for chunk in chunks]
+        finally:
+            await chunks.aclose()
+        data = b"".join(pieces)
+        if body.response_format == "wav":
+            data = wav_header(pipeline.sample_rate, len(data)) + data
+        return Response(data, media_type=MEDIA_TYPES[body.response_format])
+
+    return speech
+
+
+def health_route(service: Service, start: EngineStart):
+    engine_name = choose_engine(service.settings.engine, service.pipeline.model.device)
+
+    def health() -> JSONResponse:
+        """What this process serves with and whether its engines are serving (200) or not (503)."""
+        engine = service.pipeline.health()
+        state = start.state(bool(engine["ok"]))
+        body = {
+            "status": state,
+            "started": state == "serving",
+            "error": start.error(),
+            "model": str(service.model_dir),
+            "demo": service.demo_reason is not None,
+            "demo_reason": service.demo_reason,
+            "engine": engine_name,
+            "device": str(service.pipeline.model.device),
+            "active_streams": engine["active_streams"],
+            "waiting": engine["waiting"],
+            "max_streams": service.pipeline.max_streams,
+        }
+        return JSONResponse(body, status_code=200 if state == "serving" else 503)
+
+    return health
+
+
+def metrics_route(service: Service):
+    def metrics() -> PlainTextResponse:
+        """The Pipeline's metrics in Prometheus text exposition format."""
+        return PlainTextResponse(service.pipeline.metrics.prometheus(), media_type=PROMETHEUS_TEXT)
+
+    return metrics
+
+
+def voices_route(service: Service):
+    def voices() -> dict[str, Any]:
+        """The voices an API client can use: built-in, model speakers and shared user voices."""
+        data = [
+            {"id": v.id, "name": v.name, "kind": v.kind, "language": v.language, "note": v.note}
+            for v in service.voices.list_voices(None)
+        ]
+        return {"object": "list", "data": data}
+
+    return voices
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's body errors of the API in OpenAI's shape: 400 for a body that is not JSON, else 422.
+
+    Other routes (Gradio's, when it serves the app itself) keep FastAPI's answer."""
+    if not request.url.path.startswith("/v1/"):
+        return await request_validation_exception_handler(request, exc)
+    error = exc.errors()[0]
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "")
+        return ApiError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
+    fields = [str(part) for part in error["loc"] if part != "body"]
+    param = ".".join(fields) or None
+    message = f"{param}: {error['msg']}" if param else f"the body must be a JSON object: {error['msg']}"
+    return ApiError(422, message, param).response()
+
+
+async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Bugs answer a JSON 500 without details; the traceback goes to the log (Starlette re-raises)."""
+    return ApiError(500, "internal server error; see the server log", None, "server_error").response()
+
+
+def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any]:
+    """FastAPI arguments giving an app the API routes, the error handlers and the engines' lifespan.
+
+    ``wait_for_engines`` False lets the server accept connections while the engines start (requests
+    wait for them): Gradio's own launch gives its server only 5 s to come up.
+    """
+    start = EngineStart()
+    pipeline = service.pipeline
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Warm-up pre-selects GPU kernels; on a CPU it only costs minutes (every batch size up to 64).
+        warm_up = pipeline.model.device.type != "cpu"
+        log.info("starting the engines%s", " with warm-up" if warm_up else "")
+        start.task = asyncio.create_task(pipeline.start(warm_up=warm_up))
+        if wait_for_engines:
+            await start.task
+        else:
+            start.task.add_done_callback(_log_start_failure)
+        try:
+            yield
+        finally:
+            start.task.cancel()
+            await asyncio.wait([start.task])
+            await pipeline.shutdown()
+            log.info("engines stopped")
+
+    routes = [
+        APIRoute("/health", health_route(service, start), methods=["GET"]),
+        APIRoute("/metrics", metrics_route(service), methods=["GET"]),
+        APIRoute("/v1/audio/speech", speech_route(service), methods=["POST"]),
+        APIRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
+    ]
+    handlers = {RequestValidationError: validation_error, ApiError: api_error, Exception: internal_error}
+    return {"lifespan": lifespan, "routes": routes, "exception_handlers": handlers}
+
+
+def _log_start_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the engines failed to start; /health reports it", exc_info=task.exception())
+
+
+def build_app(service: Service) -> FastAPI:
+    """The app of ``service``: the API routes, and the Gradio UI of ``build_demo(service)`` at ``/``."""
+    app = FastAPI(title="cosyapp", **app_kwargs(service))
+    return gr.mount_gradio_app(app, build_demo(service), path="/", **mount_options())
+
+
+def launch_shared(service: Service, host: str, port: int) -> None:
+    """Serve like ``build_app`` through Gradio's own launch, which alone can open a public share link;
+    blocks until interrupted. Offline, Gradio prints "Could not create share link" and serves locally."""
+    demo = build_demo(service)
+    demo.launch(
+        **launch_options(demo),
+        share=True,
+        server_name=host,
+        server_port=port,
+        show_error=True,
+        prevent_thread_lock=True,
+        app_kwargs=app_kwargs(service, wait_for_engines=False),
+    )
+    demo.block_thread()

@@ -1,0 +1,285 @@
+"""The HTTP server over the tiny demo model, served by uvicorn on a free port (as in production).
+
+Requests go through httpx over real sockets, so streaming and client disconnects behave as they do for
+real clients. One server serves most tests; the busy and lifecycle tests get their own one-stream one.
+"""
+
+import asyncio
+import io
+import os
+import socket
+import struct
+import threading
+import time
+import wave
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+
+from cosyapp.server import EngineStart, build_app  # noqa: E402
+from cosyapp.service import build_service  # noqa: E402
+from cosyapp.settings import Settings  # noqa: E402
+
+VOICE = "zh-aishell-w0121"
+SHORT = "Hello there."
+LONG = "Hello there. How are you today? Fine thanks."
+SAMPLES_PER_TOKEN = 480  # 24 kHz / 25 Hz tokens / 2: audio always comes in whole token hops
+
+
+@contextmanager
+def serving(app):
+    """Run ``app`` under uvicorn in a thread (lifespan included); yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+def make_service(tmp_path_factory, **overrides):
+    root = tmp_path_factory.getbasetemp()  # one demo model and one feature cache for every service
+    folders = {"cache_dir": root / "cache", "data_dir": root / "data"}
+    options = {"demo": True, "engine": "torch", "device": "cpu", "max_streams": 4, **folders, **overrides}
+    return build_service(Settings(**options))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    return make_service(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def url(service):
+    with serving(build_app(service)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+def speech(client, **body):
+    return client.post("/v1/audio/speech", json={"input": SHORT, "voice": VOICE, **body})
+
+
+@pytest.fixture(scope="module")
+def clip(client):
+    """A whole WAV of SHORT with seed 7."""
+    response = speech(client, seed=7)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def read_wav(data: bytes) -> tuple[tuple[int, int, int], bytes]:
+    """((rate, channels, sample width), PCM data) of a WAV; the data follows a 44-byte header."""
+    with wave.open(io.BytesIO(data)) as reader:
+        return (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()), data[44:]
+
+
+def wait_until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def requests_total(client) -> dict[str, float]:
+    """Requests started ("requests") and finished or refused, by outcome, from /metrics."""
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    totals = {s.labels["outcome"]: s.value for s in families["cosyapp_requests"].samples}
+    totals["requests"] = families["cosyapp_requests_started"].samples[0].value
+    return totals
+
+
+def test_speech_returns_a_24khz_mono_16bit_wav(clip):
+    with wave.open(io.BytesIO(clip.content)) as reader:
+        assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()) == (24000, 1, 2)
+        samples = reader.getnframes()
+    assert clip.headers["content-type"] == "audio/wav"
+    assert samples == len(clip.content[44:]) // 2 > 0 and samples % SAMPLES_PER_TOKEN == 0
+    assert struct.unpack("<I", clip.content[4:8])[0] == len(clip.content) - 8
+
+
+def test_pcm_is_the_wav_data_without_a_header_for_the_same_seed(client, clip):
+    response = speech(client, seed=7, response_format="pcm")
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/pcm"
+    assert response.content == read_wav(clip.content)[1]
+
+
+def test_the_same_seed_gives_identical_bytes(client, clip):
+    assert speech(client, seed=7).content == clip.content
+    assert speech(client, seed=8).content != clip.content
+
+
+def test_streaming_sends_audio_while_the_clip_is_still_being_made(client, service):
+    whole = speech(client, input=LONG, seed=3)
+    chunks, active_at_first_audio = [], None
+    with client.stream(
+        "POST", "/v1/audio/speech", json={"input": LONG, "voice": VOICE, "seed": 3, "stream": True}
+    ) as response:
+        assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
+        for chunk in response.iter_raw():
+            if active_at_first_audio is None and sum(map(len, chunks)) + len(chunk) > 44:
+                active_at_first_audio = service.pipeline.health()["active_streams"]
+            chunks.append(chunk)
+    streamed = b"".join(chunks)
+    assert active_at_first_audio == 1  # the request was still running when audio arrived
+    assert len(chunks) > 2
+    assert struct.unpack("<I", streamed[4:8])[0] == struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF
+    form, data = read_wav(streamed)
+    assert form == (24000, 1, 2)
+    assert len(data) == len(read_wav(whole.content)[1])  # streamed samples differ, the length does not
+
+
+def test_streamed_pcm_is_headerless_and_as_long_as_the_whole_clip(client, clip):
+    body = {"input": SHORT, "voice": VOICE, "seed": 7, "stream": True, "response_format": "pcm"}
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        data = response.read()
+    assert response.headers["content-type"] == "audio/pcm"
+    assert not data.startswith(b"RIFF") and len(data) == len(read_wav(clip.content)[1])
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        ({"input": ""}, 400, "input", "empty"),
+        ({"voice": "nobody"}, 404, "voice", "not found"),
+        ({"speed": 3.0}, 400, "speed", "between 0.5 and 2.0"),
+        ({"response_format": "mp3"}, 400, "response_format", "wav, pcm"),
+        ({"input": 5}, 422, "input", "valid string"),
+        ({"speed": "fast"}, 422, "speed", "valid number"),
+        ({"stream": "yes"}, 422, "stream", "valid boolean"),
+        ({"seed": -1}, 400, "seed", "between 0"),
+        ({"temperature": 0.5}, 422, "temperature", "Extra inputs"),
+    ],
+)
+def test_bad_requests_get_a_json_error_naming_the_field(client, body, status, param, words):
+    response = speech(client, **body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_malformed_json_is_a_400(client):
+    response = client.post(
+        "/v1/audio/speech", content=b'{"input": "Hi", ', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_voices_lists_the_built_in_voices(client):
+    voices = {v["id"]: v for v in client.get("/v1/audio/voices").json()["data"]}
+    assert voices[VOICE]["kind"] == "builtin"
+    assert {"en-espeak-gb", "en-espeak-us", "zh-aishell-w0122"} <= set(voices)
+
+
+def test_metrics_are_prometheus_text_counting_the_requests(client):
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    before = requests_total(client)
+    speech(client, seed=1)
+    speech(client, input="")  # refused by the text frontend: never reaches the engines
+    after = requests_total(client)
+    assert after["requests"] == before["requests"] + 1 and after["done"] == before["done"] + 1
+
+
+def test_health_reports_the_engine_and_demo_mode(client, service):
+    response = client.get("/health")
+    assert response.status_code == 200
+    health = response.json()
+    assert health["status"] == "serving" and health["started"] and health["error"] is None
+    assert health["demo"] and health["demo_reason"] == "started with --demo"
+    assert health["engine"] == "torch" and health["device"] == "cpu"
+    assert health["model"] == str(service.model_dir)
+    assert health["active_streams"] == 0 and health["waiting"] == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_stream_and_aborts_the_lm(client, service):
+    before = requests_total(client)
+    with client.stream(
+        "POST", "/v1/audio/speech", json={"input": LONG * 4, "voice": VOICE, "seed": 5, "stream": True}
+    ) as response:
+        audio = response.iter_raw()
+        next(audio)
+        assert service.pipeline.health()["active_streams"] == 1
+    wait_until(lambda: service.pipeline.health()["active_streams"] == 0)
+    wait_until(lambda: service.pipeline.lm.stats().running == 0)
+    after = requests_total(client)
+    assert after["cancelled"] == before["cancelled"] + 1 and after["done"] == before["done"]
+
+
+@pytest.fixture(scope="module")
+def one_stream_app(tmp_path_factory):
+    service = make_service(tmp_path_factory, max_streams=1)
+    service.pipeline.max_waiting = 0
+    return service, build_app(service)
+
+
+def test_health_is_503_before_the_engines_start_and_after_they_stop(one_stream_app):
+    service, app = one_stream_app
+    assert TestClient(app).get("/health").status_code == 503  # no lifespan: nothing started
+    with serving(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+    response = TestClient(app).get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "stopped"
+
+
+def test_a_full_server_answers_503_with_retry_after(one_stream_app):
+    service, app = one_stream_app
+    with (
+        serving(app) as base,
+        httpx.Client(base_url=base, timeout=120) as first,
+        httpx.Client(base_url=base, timeout=120) as second,
+    ):
+        body = {"input": LONG * 4, "voice": VOICE, "seed": 5, "stream": True}
+        with first.stream("POST", "/v1/audio/speech", json=body) as running:
+            audio = running.iter_raw()  # kept: dropping the iterator would close the connection
+            next(audio)
+            assert service.pipeline.health()["active_streams"] == 1  # it holds the only stream slot
+            response = speech(second)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["type"] == "server_busy" and "busy" in error["message"]
+
+
+def test_health_tells_a_start_in_progress_from_a_failed_one():
+    async def states() -> list[tuple[str, str | None]]:
+        start = EngineStart()
+        seen = [(start.state(False), start.error())]
+        start.task = asyncio.create_task(asyncio.sleep(60))
+        seen.append((start.state(False), start.error()))
+        start.task.cancel()
+
+        async def no_gpu():
+            raise RuntimeError("CUDA out of memory")
+
+        start.task = asyncio.create_task(no_gpu())
+        await asyncio.wait([start.task])
+        seen.append((start.state(False), start.error()))
+        return seen
+
+    assert asyncio.run(states()) == [
+        ("not started", None),
+        ("starting", None),
+        ("failed", "RuntimeError: CUDA out of memory"),
+    ]

@@ -1,0 +1,115 @@
+"""The UI's named endpoints through gradio_client, as API users and load generators call them."""
+
+import io
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import soundfile as sf
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+SAMPLES = re.compile(r"\(([\d,]+) samples at ([\d,]+) Hz\)")
+BATCH = re.compile(r"batch of \*\*(\d+)\*\*")
+
+
+@pytest.fixture(scope="module")
+def client(ui):
+    return Client(ui.url, download_files=False, verbose=False)
+
+
+def form(text="Hello world.", voice="en-espeak-us", recording=None, prompt_text="", speed=1.0, seed=0):
+    return text, voice, recording, prompt_text, speed, seed, ""
+
+
+def clip_of(ui, file_data: dict) -> np.ndarray:
+    samples, rate = sf.read(io.BytesIO(ui.fetch(file_data["url"])), dtype="float32")
+    assert rate == 24_000
+    return samples
+
+
+def reported_samples(stats: str) -> int:
+    return int(SAMPLES.search(stats)[1].replace(",", ""))
+
+
+def test_concurrent_whole_clips_are_served_in_gradio_batches_each_with_its_own_result(client, ui):
+    seeds = [1, 1, 2, 2, 3, 3, 4, 4]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        jobs = list(pool.map(lambda seed: client.submit(*form(seed=seed), api_name="/speak_clip"), seeds))
+    results = [job.result(timeout=120) for job in jobs]
+    batches = [int(BATCH.search(stats)[1]) for _, stats, _ in results]
+    clips = [clip_of(ui, file) for _, _, file in results]
+    print(f"batch size seen by each of the 8 requests: {batches}")
+    assert max(batches) > 1, batches
+    assert ui.service.pipeline.metrics.snapshot()["clip_max_batch_size"] >= max(batches)
+    for (_, stats, _), clip in zip(results, clips, strict=True):
+        assert len(clip) == reported_samples(stats) > 0 and len(clip) % 480 == 0
+    for i in range(0, len(seeds), 2):  # same seed, same audio (up to one step of 16-bit rounding)
+        assert len(clips[i]) == len(clips[i + 1])
+        assert np.abs(clips[i] - clips[i + 1]).max() <= 2 / 32768
+    firsts = clips[::2]  # different seeds, different audio
+    for a in range(len(firsts)):
+        for b in range(a + 1, len(firsts)):
+            n = min(len(firsts[a]), len(firsts[b]))
+            assert np.abs(firsts[a][:n] - firsts[b][:n]).mean() > 1e-3
+
+
+def test_streaming_endpoint_yields_chunks_then_the_whole_clip(client, ui):
+    job = client.submit(*form("Hello world, this is a test.", seed=5), api_name="/speak")
+    outputs = list(job)
+    stream, stats, file = outputs[-1]
+    chunks = [out for out in outputs if isinstance(out[0], dict) and out[0].get("url")]
+    assert len(chunks) >= 2
+    assert chunks[0][0]["url"].endswith("playlist.m3u8")
+    assert "TTFA" in stats and "streaming" not in stats
+    clip = clip_of(ui, file)
+    assert len(clip) == reported_samples(stats) > 0 and len(clip) % 480 == 0
+
+
+def test_cancelling_a_streaming_job_aborts_its_engine_work(client, ui):
+    health = ui.service.pipeline.health
+    job = client.submit(
+        *form("今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。"), api_name="/speak"
+    )
+    deadline = time.monotonic() + 30
+    while health()["active_streams"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health()["active_streams"] == 1
+    job.cancel()
+    deadline = time.monotonic() + 5
+    while health()["active_streams"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health()["active_streams"] == 0
+
+
+@pytest.mark.parametrize("api_name", ["/speak", "/speak_clip"])
+def test_bad_input_reaches_the_client_as_a_readable_error(client, api_name, tmp_path):
+    with pytest.raises(AppError, match="Type some text to speak"):
+        client.predict(*form(text="   "), api_name=api_name)
+    with pytest.raises(AppError, match="Pick a voice"):
+        client.predict(*form(voice=""), api_name=api_name)
+    fake = tmp_path / "voice.wav"
+    fake.write_text("not audio\n" * 50)
+    with pytest.raises(AppError, match="Could not read voice.wav as audio"):
+        client.predict(
+            *form(voice="recording", recording=handle_file(str(fake)), prompt_text="hi"), api_name=api_name
+        )
+    with pytest.raises(AppError, match="The seed must be a whole number from 0 to"):
+        client.predict(*form(seed=-1), api_name=api_name)
+    with pytest.raises(
+        AppError, match="Value 3.0 is greater than maximum value 2.0"
+    ):  # Gradio's Slider check
+        client.predict(*form(speed=3.0), api_name=api_name)
+
+
+def test_a_recording_can_be_used_without_saving_it(client, ui, recording):
+    path, transcript = recording
+    before = ui.service.voices.list_voices(None)
+    _, stats, file = client.predict(
+        *form(voice="recording", recording=handle_file(str(path)), prompt_text=transcript, seed=2),
+        api_name="/speak_clip",
+    )
+    assert len(clip_of(ui, file)) == reported_samples(stats) > 0
+    assert ui.service.voices.list_voices(None) == before
