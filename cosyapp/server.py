@@ -312,13 +312,19 @@ def launch_shared(service: Service, host: str, port: int) -> None:
     """Serve like ``build_app`` through Gradio's own launch, which alone can open a public share link;
     blocks until interrupted. Offline, Gradio prints "Could not create share link" and serves locally."""
     demo = build_demo(service)
-    demo.launch(
-        **launch_options(demo),
-        share=True,
-        server_name=host,
-        server_port=port,
-        show_error=True,
-        prevent_thread_lock=True,
-        app_kwargs=app_kwargs(service, wait_for_engines=False),
-    )
+    try:
+        demo.launch(
+            **launch_options(demo),
+            share=True,
+            server_name=host,
+            server_port=port,
+            show_error=True,
+            prevent_thread_lock=True,
+            app_kwargs=app_kwargs(service, wait_for_engines=False),
+        )
+    except KeyboardInterrupt:
+        # Interrupted while Gradio still waits for the share server (up to 30 s offline): the local
+        # server already runs, so close it, which also stops the engines.
+        demo.close()
+        return
     demo.block_thread()
