@@ -78,7 +78,9 @@ async def sample_batches(pipeline: Pipeline, seen: dict[str, list[int]], period:
     while True:
         lm, t2w = pipeline.lm.stats(), pipeline.token2wav.stats()
         if lm.tokens_generated > lm0.tokens_generated:
-            seen["lm"].append(lm.last_batch_size)
+            # A step's batch cannot exceed the requests running now; this also drops a size left over
+            # from before the level until the engine's first step in it.
+            seen["lm"].append(min(lm.last_batch_size, lm.running))
         if t2w.flow_calls > t2w0.flow_calls:
             seen["flow"].append(t2w.last_flow_batch)
         if t2w.hift_calls > t2w0.hift_calls:
@@ -128,6 +130,63 @@ async def run_level(pipeline: Pipeline, text: str, voice: Voice, clients: int, s
     }
 
 
+async def sequential_reference(pipeline: Pipeline, text: str, voice: Voice, clients: int) -> dict:
+    """Baseline (a): requests served one after another on the plain PyTorch reference path, as a
+    simple web demo does; every client waits for those before it. Whole clips (TTFA = completion)."""
+    model = pipeline.model
+    prompt = voice.prompt(pipeline.text)
+    ids = torch.tensor(pipeline.text.prepare(text)[0].ids, dtype=torch.long)
+    start = time.perf_counter()
+    done, audio = [], 0.0
+    for i in range(clients):
+        wave = await asyncio.to_thread(
+            model.synthesize, ids, prompt, 1.0, torch.Generator(model.device).manual_seed(i)
+        )
+        done.append(time.perf_counter() - start)
+        audio += len(wave) / model.sample_rate
+    wall = time.perf_counter() - start
+    return {
+        "clients": clients,
+        "ttfa_p50": percentile(done, 0.5),
+        "ttfa_p99": percentile(done, 0.99),
+        "wall_s": wall,
+        "audio_s": audio,
+        "audio_per_wall_s": audio / wall,
+        "rtf_aggregate": wall / audio,
+    }
+
+
+async def run_baselines(pipeline: Pipeline, text: str, voice: Voice, clients: int) -> dict[str, dict]:
+    """The alternatives on the same model and load: (a) sequential reference path, (b) this LM engine
+    with token2wav one request at a time, (c) the PyTorch LM engine with the batched token2wav."""
+    from cosyapp.engine.lm_torch import TorchSpeechLM
+    from cosyapp.engine.token2wav import Token2Wav
+
+    baselines = {"a_sequential_reference": await sequential_reference(pipeline, text, voice, clients)}
+    serial = Pipeline(pipeline.model, pipeline.text, pipeline.lm, Token2Wav(pipeline.model, max_batch=1))
+    await serial.start()  # the shared LM engine is already started; this starts the serial worker
+    try:
+        baselines["b_engine_lm_serial_token2wav"] = await run_level(
+            serial, text, voice, clients, streaming=True
+        )
+    finally:
+        serial.token2wav.stop()
+    if isinstance(pipeline.lm, TorchSpeechLM):
+        baselines["c_torch_engine"] = {"same_as": "main run (its LM engine is the PyTorch one)"}
+    else:
+        torch_pipeline = Pipeline(
+            pipeline.model, pipeline.text, TorchSpeechLM(pipeline.model.lm), pipeline.token2wav
+        )
+        await torch_pipeline.start()  # starts the PyTorch engine; the token2wav worker already runs
+        try:
+            baselines["c_torch_engine"] = await run_level(
+                torch_pipeline, text, voice, clients, streaming=True
+            )
+        finally:
+            await torch_pipeline.lm.shutdown()
+    return baselines
+
+
 async def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cosyapp-bench-"))
@@ -161,8 +220,15 @@ async def run(args: argparse.Namespace) -> dict:
                 level = await run_level(pipeline, text, voice, clients, streaming)
                 levels.append(level)
                 print(_row(level), flush=True)
+        baselines = await run_baselines(pipeline, text, voice, max(args.clients)) if args.baselines else {}
     finally:
         await pipeline.shutdown()
+    main = next(lv for lv in reversed(levels) if lv["clients"] == max(args.clients))
+    for name, base in baselines.items():
+        if "audio_per_wall_s" in base:
+            base["cosyapp_throughput_ratio"] = main["audio_per_wall_s"] / base["audio_per_wall_s"]
+            ratio = base["cosyapp_throughput_ratio"]
+            print(f"{name}: {base['audio_per_wall_s']:.1f} audio s/s; cosyapp is {ratio:.1f}x", flush=True)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -174,6 +240,7 @@ async def run(args: argparse.Namespace) -> dict:
         "startup_s": startup,
         "options": {k: str(v) for k, v in asdict(options).items()},
         "levels": levels,
+        "baselines": baselines,
     }
 
 
@@ -208,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
     if args.smoke:
-        args.clients, args.tokens, args.full_size = "1,4", 40, False
+        args.clients, args.tokens, args.full_size, args.baselines = "1,4", 40, False, True
     args.clients = [int(c) for c in args.clients.split(",")]
     args.modes = [m == "stream" for m in args.modes.split(",")]
     result = asyncio.run(run(args))

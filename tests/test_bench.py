@@ -26,3 +26,12 @@ def test_smoke_benchmark_writes_consistent_json(tmp_path):
         assert level["rtf_aggregate"] == pytest.approx(level["wall_s"] / level["audio_s"])
         assert 1 <= level["lm_max_batch"] <= level["clients"]
         assert level["flow_calls"] >= 1 and level["flow_ms_per_call"] > 0
+    baselines = result["baselines"]
+    assert set(baselines) == {"a_sequential_reference", "b_engine_lm_serial_token2wav", "c_torch_engine"}
+    for name in ("a_sequential_reference", "b_engine_lm_serial_token2wav"):
+        base = baselines[name]
+        assert base["clients"] == 4 and base["audio_s"] == pytest.approx(4 * 40 / 25)
+        assert base["ttfa_p50"] <= base["ttfa_p99"] <= base["wall_s"]
+        assert base["cosyapp_throughput_ratio"] == pytest.approx(
+            levels[-1]["audio_per_wall_s"] / base["audio_per_wall_s"]
+        )
