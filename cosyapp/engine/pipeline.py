@@ -54,6 +54,14 @@ class AudioChunk:
     sentence: int
 
 
+def check_options(speed: float | None, seed: float | None) -> None:
+    """Raise ValueError, with a message for the user, when speed or a given seed is out of range."""
+    if speed is None or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed}")
+    if seed is not None and (seed != int(seed) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"the seed must be a whole number from 0 to {MAX_SEED}")
+
+
 def sentence_seed(seed: int, index: int) -> int:
     """A per-sentence seed derived from the request seed (independent streams per sentence)."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -156,10 +164,7 @@ class Pipeline:
         when the admission limits are reached.
         """
         sentences = self.text.prepare(request.text)
-        if not MIN_SPEED <= request.speed <= MAX_SPEED:
-            raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {request.speed}")
-        if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
-            raise ValueError(f"seed must be between 0 and {MAX_SEED}")
+        check_options(request.speed, request.seed)
         seed = secrets.randbits(63) if request.seed is None else request.seed
         prompt = request.voice.prompt(self.text)
         await self.start()

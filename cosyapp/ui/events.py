@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import gradio as gr
 import numpy as np
 
-from cosyapp.engine.pipeline import MAX_SEED, MAX_SPEED, MIN_SPEED, BusyError, SynthesisRequest
+from cosyapp.engine.pipeline import MAX_SEED, BusyError, SynthesisRequest, check_options
 from cosyapp.frontend.audio import VoiceError, load_prompt_audio
 from cosyapp.frontend.text import TextError
 from cosyapp.service import Service
@@ -153,10 +153,9 @@ class Handlers:
             raise ValueError("type some text to speak")
         if len(text) > self.max_chars:
             raise ValueError(f"the text has {len(text)} characters; at most {self.max_chars}")
-        if speed is None or not MIN_SPEED <= speed <= MAX_SPEED:
-            raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}")
-        if seed is None or seed != int(seed) or not 0 <= seed <= MAX_SEED:
+        if seed is None:  # the page always sends one (the dice fills it)
             raise ValueError(f"the seed must be a whole number from 0 to {MAX_SEED}")
+        check_options(speed, seed)
         voice = self.voice(voice_id, recording, prompt_text, session)
         return SynthesisRequest(text, voice, speed=float(speed), seed=int(seed), streaming=streaming)
 
