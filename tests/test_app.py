@@ -136,6 +136,10 @@ def test_share_offline_says_so_and_serves_the_ui_and_the_api_locally(tmp_path):
     with running_app(tmp_path, "--share", **no_internet) as (base, log_path):
         page = httpx.get(base, timeout=30)
         voices = httpx.get(f"{base}/v1/audio/voices", timeout=30).json()["data"]
+        # The local server answers before Gradio gives up on the share server: wait for that verdict.
+        deadline = time.monotonic() + 60
+        while "Could not create share link" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
     log = log_path.read_text()
     assert "ANYONE with the link can use this app" in log and "Could not create share link" in log
     assert "gradio" in page.text.lower() and "zh-aishell-w0121" in {v["id"] for v in voices}
