@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from cosyapp.settings import parse_settings
+from cosyapp.settings import Settings, parse_settings
 
 log = logging.getLogger("cosyapp")
 
@@ -23,6 +23,25 @@ def apply_host_conventions(environ: dict[str, str]) -> None:
         environ.setdefault("COSYAPP_HOST", host)
     if port:
         environ.setdefault("COSYAPP_PORT", port)
+
+
+def security_warnings(settings: Settings) -> list[str]:
+    """What ``settings`` leave open that an operator should know about, one sentence each."""
+    warnings = []
+    if settings.share:
+        warning = (
+            "--share: publishing a public link; ANYONE with the link can use this app and its GPU, "
+            "and the voices shared in it"
+        )
+        if settings.auth is None:
+            warning += ". There is NO LOGIN: add --auth USER:PASSWORD (or COSYAPP_AUTH) to require one"
+        warnings.append(warning)
+    if settings.auth is not None and settings.api_key is None:
+        warnings.append(
+            "--auth protects the web UI only: /v1/audio/speech is open to anyone who can reach this "
+            "server; set --api-key (or COSYAPP_API_KEY) to close it"
+        )
+    return warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,11 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if service.demo_reason:
         log.warning("DEMO MODE (%s): a tiny random-weight model, it speaks noise", service.demo_reason)
     log.info("model %s; serving on http://%s:%d", service.model_dir, settings.host, settings.port)
+    for warning in security_warnings(settings):
+        log.warning("%s", warning)
     if settings.share:
-        log.warning(
-            "--share: publishing a public link; ANYONE with the link can use this app and its GPU, "
-            "and the voices shared in it"
-        )
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as gracefully as on Ctrl+C
         launch_shared(service, settings.host, settings.port)
         return 0

@@ -5,7 +5,9 @@
     POST /v1/audio/speech   OpenAI-compatible speech: a whole WAV / raw PCM clip, or streamed as produced
     GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
 
-The engines start on the server's own event loop (the vLLM engine stays bound to it), in the lifespan.
+``/v1/*`` sits behind ApiGuard (the API key when one is set, a body size cap); /health and /metrics
+are open. The engines start on the server's own event loop (the vLLM engine stays bound to it), in
+the lifespan.
 """
 
 import asyncio
@@ -25,7 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
+from starlette.middleware import Middleware
 
+from cosyapp.api_guard import ApiGuard, max_body_bytes
 from cosyapp.engine.build import choose_engine
 from cosyapp.engine.pipeline import MAX_SEED, MAX_SPEED, MIN_SPEED, AudioChunk, BusyError, SynthesisRequest
 from cosyapp.frontend.text import TextError
@@ -150,7 +154,7 @@ class AudioStream(StreamingResponse):
 def speech_route(service: Service):
     pipeline = service.pipeline
 
-    async def speech(body: SpeechRequest) -> Response:
+    async def speech(body: SpeechRequest, http: Request) -> Response:
         """Speak ``input`` in ``voice``: 24 kHz mono 16-bit WAV or raw PCM, whole or streamed."""
         if body.response_format not in MEDIA_TYPES:
             supported = ", ".join(MEDIA_TYPES)
@@ -167,7 +171,9 @@ def speech_route(service: Service):
         except VoiceNotFoundError:
             message = f"voice {body.voice!r} not found; GET /v1/audio/voices lists the voices"
             raise ApiError(404, message, "voice", "not_found_error") from None
-        request = SynthesisRequest(body.input, voice, body.speed, body.seed, streaming=body.stream)
+        # Fair admission shares the streams among callers, told apart by address.
+        client = f"api:{http.client.host}" if http.client else None
+        request = SynthesisRequest(body.input, voice, body.speed, body.seed, body.stream, client)
         chunks = pipeline.stream(request)
         try:  # bad text and a full server raise before the first chunk, while a status can still be sent
             first = await anext(chunks, None)
@@ -180,6 +186,8 @@ def speech_route(service: Service):
         try:
             pieces = [] if first is None else [pcm16(first.samples)]
             pieces += [pcm16(chunk.samples) async for chunk in chunks]
+        except BusyError as e:  # the LM engine failed mid-clip and is restarting
+            raise ApiError(503, str(e), None, "server_busy") from None
         finally:
             await chunks.aclose()
         data = b"".join(pieces)
@@ -197,6 +205,8 @@ def health_route(service: Service, start: EngineStart):
         """What this process serves with and whether its engines are serving (200) or not (503)."""
         engine = service.pipeline.health()
         state = start.state(bool(engine["ok"]))
+        if state == "serving" and engine["lm"] != "serving":
+            state = "recovering"  # the LM engine failed and is restarting
         body = {
             "status": state,
             "started": state == "serving",
@@ -208,6 +218,9 @@ def health_route(service: Service, start: EngineStart):
             "device": str(service.pipeline.model.device),
             "active_streams": engine["active_streams"],
             "waiting": engine["waiting"],
+            "lm": engine["lm"],
+            "lm_restarts": engine["lm_restarts"],
+            "last_fault": engine["last_fault"],
             "max_streams": service.pipeline.max_streams,
         }
         return JSONResponse(body, status_code=200 if state == "serving" else 503)
@@ -247,7 +260,12 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
         return ApiError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
     fields = [str(part) for part in error["loc"] if part != "body"]
     param = ".".join(fields) or None
-    message = f"{param}: {error['msg']}" if param else f"the body must be a JSON object: {error['msg']}"
+    if param:
+        message = f"{param}: {error['msg']}"
+    elif error["type"] == "missing":
+        message = "the body is empty: send a JSON object with at least input and voice"
+    else:
+        message = f"the body must be a JSON object (Content-Type: application/json): {error['msg']}"
     return ApiError(422, message, param).response()
 
 
@@ -294,7 +312,9 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         APIRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
     ]
     handlers = {RequestValidationError: validation_error, ApiError: api_error, Exception: internal_error}
-    return {"lifespan": lifespan, "routes": routes, "exception_handlers": handlers}
+    settings = service.settings
+    guard = Middleware(ApiGuard, api_key=settings.api_key, max_body=max_body_bytes(settings.max_text_chars))
+    return {"lifespan": lifespan, "routes": routes, "exception_handlers": handlers, "middleware": [guard]}
 
 
 def _log_start_failure(task: asyncio.Task) -> None:
@@ -305,7 +325,12 @@ def _log_start_failure(task: asyncio.Task) -> None:
 def build_app(service: Service) -> FastAPI:
     """The app of ``service``: the API routes, and the Gradio UI of ``build_demo(service)`` at ``/``."""
     app = FastAPI(title="cosyapp", **app_kwargs(service))
-    return gr.mount_gradio_app(app, build_demo(service), path="/", **mount_options())
+    demo = build_demo(service)
+    app = gr.mount_gradio_app(app, demo, path="/", **mount_options(demo))
+    # Gradio refuses input files from outside its upload folder only once it counts the app as
+    # launched; a mounted app never is, and would copy any server file an API call names into its cache.
+    demo.has_launched = True
+    return app
 
 
 def launch_shared(service: Service, host: str, port: int) -> None:

@@ -62,6 +62,7 @@ def build_service(settings: Settings) -> Service:
         engine=settings.engine,
         cache_dir=settings.cache_dir,
         max_streams=settings.max_streams,
+        first_hop=settings.first_hop,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_text_chars=settings.max_text_chars,
         enforce_eager=model.device.type == "cpu",

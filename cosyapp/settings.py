@@ -2,11 +2,14 @@
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_REPO = "FunAudioLLM/CosyVoice2-0.5B"
 DEFAULT_HOME = Path.home() / ".cache" / "cosyapp"
+# A first chunk of fewer tokens is shorter, at speed 2.0, than HiFT's 8-frame overlap; the top is
+# engine.chunking.MAX_HOP (not imported: --help must not import torch).
+MIN_FIRST_HOP, MAX_FIRST_HOP = 10, 100
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,11 @@ class Settings:
     share: bool = False
     gpu_memory_utilization: float = 0.3
     max_streams: int = 64
+    first_hop: int = 25
     max_text_chars: int = 5000
+    max_upload_mb: int = 20
+    auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets stay out of logs
+    api_key: str | None = field(default=None, repr=False)
     cache_dir: Path = DEFAULT_HOME
     data_dir: Path = DEFAULT_HOME / "data"
 
@@ -101,10 +108,36 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; env COSYAPP_MAX_STREAMS)",
     )
     add(
+        "--first-hop",
+        type=int,
+        default=int(_env("FIRST_HOP", defaults.first_hop)),
+        help="speech tokens in a stream's first audio chunk: fewer reach the first audio sooner, at some "
+        "throughput; 25 is upstream's (default: %(default)s; env COSYAPP_FIRST_HOP)",
+    )
+    add(
         "--max-text-chars",
         type=int,
         default=int(_env("MAX_TEXT_CHARS", defaults.max_text_chars)),
         help="longest text accepted per request (default: %(default)s; env COSYAPP_MAX_TEXT_CHARS)",
+    )
+    add(
+        "--max-upload-mb",
+        type=int,
+        default=int(_env("MAX_UPLOAD_MB", defaults.max_upload_mb)),
+        help="largest voice recording accepted, in MB; larger uploads are refused before they are read "
+        "(default: %(default)s; env COSYAPP_MAX_UPLOAD_MB)",
+    )
+    add(
+        "--auth",
+        default=_env("AUTH", None),
+        metavar="USER:PASSWORD",
+        help="require this login for the web UI and its Gradio API (default: none; env COSYAPP_AUTH)",
+    )
+    add(
+        "--api-key",
+        default=_env("API_KEY", None),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: none; prefer env COSYAPP_API_KEY, "
+        "which other users of the machine cannot read from the process list)",
     )
     add(
         "--cache-dir",
@@ -129,8 +162,19 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         parser.error("--gpu-memory-utilization must be between 0.05 and 0.95")
     if args.max_streams < 1:
         parser.error("--max-streams must be at least 1")
+    if not MIN_FIRST_HOP <= args.first_hop <= MAX_FIRST_HOP:
+        parser.error(f"--first-hop must be between {MIN_FIRST_HOP} and {MAX_FIRST_HOP}")
     if not 1 <= args.port <= 65535:
         parser.error("--port must be between 1 and 65535")
     if args.max_text_chars < 1:
         parser.error("--max-text-chars must be at least 1")
+    if args.max_upload_mb < 1:
+        parser.error("--max-upload-mb must be at least 1")
+    if args.auth is not None:
+        user, _, password = args.auth.partition(":")
+        if not user or not password:
+            parser.error("--auth must be USER:PASSWORD, both non-empty")
+        args.auth = (user, password)
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key must not be empty")
     return Settings(**{k: v for k, v in vars(args).items()})

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from cosyapp.frontend.features import VoiceFeatures
+from cosyapp.frontend.text import remove_control_characters
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only machines may lack
@@ -32,10 +33,18 @@ log = logging.getLogger(__name__)
 ASSETS_VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
 MAX_NAME_CHARS = 60
 MAX_PROMPT_TEXT_CHARS = 500
+# Syllables per second a transcript may claim for its recording; real prompts read 3-4 (built-in
+# voices), so only a transcript of another recording, or none, falls outside.
+MAX_SYLLABLES_PER_S = 12.0
+MIN_SYLLABLES_PER_S = 0.2
 
 
 class VoiceNotFoundError(KeyError):
     """No voice with this id is visible to the asking session."""
+
+
+class PromptTextError(ValueError):
+    """A transcript that is missing, too long, or obviously not that of its recording."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,40 @@ def sanitize_name(name: str) -> str:
     text = " ".join(text.split())[:MAX_NAME_CHARS].strip()
     if not text:
         raise ValueError("give the voice a name made of letters, digits or punctuation")
+    return text
+
+
+def syllables(text: str) -> float:
+    """A rough syllable count: one per Chinese/Japanese/Korean character, one per three other letters
+    or digits (English averages about three letters per syllable)."""
+    import regex
+
+    syllabic = len(regex.findall(r"[\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}]", text))
+    return syllabic + (len(regex.findall(r"[\p{L}\p{N}]", text)) - syllabic) / 3
+
+
+def check_prompt_text(prompt_text: str, audio: "PromptAudio") -> str:
+    """The transcript of ``audio`` with control characters removed and spaces collapsed.
+
+    Raises ``PromptTextError`` when it is empty, longer than MAX_PROMPT_TEXT_CHARS, or claims far
+    more or far fewer syllables than the recording can hold (outside MIN/MAX_SYLLABLES_PER_S).
+    """
+    text = " ".join(remove_control_characters(prompt_text or "").split())
+    if not text:
+        raise PromptTextError("type what is said in the recording: the model needs its transcript")
+    if len(text) > MAX_PROMPT_TEXT_CHARS:
+        raise PromptTextError(f"the transcript has {len(text)} characters; at most {MAX_PROMPT_TEXT_CHARS}")
+    rate = syllables(text) / audio.seconds
+    if rate > MAX_SYLLABLES_PER_S:
+        raise PromptTextError(
+            f"the transcript is too long for the recording (about {rate:.0f} syllables per second of "
+            "audio): type exactly what is said in this recording"
+        )
+    if rate < MIN_SYLLABLES_PER_S:
+        raise PromptTextError(
+            f"the transcript is too short for the recording (about {syllables(text):.0f} syllables "
+            f"in {audio.seconds:.1f} s): type everything that is said in this recording"
+        )
     return text
 
 
@@ -146,20 +189,15 @@ class VoiceLibrary:
     ) -> VoiceInfo:
         """Save a user voice from a recording and its transcript; returns its listing.
 
-        Raises ``VoiceError`` for an unusable recording and ``ValueError`` for an empty name or
-        transcript.
+        The voice gets a random id; its folder is named after the id, never after ``name``.
+        Raises ``VoiceError`` for an unusable recording, ``PromptTextError`` for a missing or
+        mismatched transcript and ``ValueError`` for an empty name.
         """
-        prompt_text = " ".join(prompt_text.split())
-        if not prompt_text:
-            raise ValueError("type what is said in the recording: the model needs its transcript")
-        if len(prompt_text) > MAX_PROMPT_TEXT_CHARS:
-            raise ValueError(
-                f"the transcript has {len(prompt_text)} characters; at most {MAX_PROMPT_TEXT_CHARS}"
-            )
         from cosyapp.frontend.audio import load_prompt_audio
 
         name = sanitize_name(name)
         recording = load_prompt_audio(audio)
+        prompt_text = check_prompt_text(prompt_text, recording)
         self.features_of(recording)
         meta = {
             "id": f"user-{uuid.uuid4().hex[:12]}",

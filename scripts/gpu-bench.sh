@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -d /tmp/site/vllm ] || { mkdir -p /tmp/site && cat /tmp/parts/part_* | xz -d | tar -x -C /tmp/site; }
-if [ -d .gpu-wheels ]; then python -m pip install -q --no-deps --target /tmp/site .gpu-wheels/*.whl; fi
+if [ -d .gpu-wheels ]; then python -m pip install -q --no-deps --upgrade --target /tmp/site .gpu-wheels/*.whl; fi
 # vLLM finds out-of-tree models through an installed distribution's entry point.
 mkdir -p /tmp/site/cosyapp_plugin-0.dist-info
 printf 'Metadata-Version: 2.1\nName: cosyapp-plugin\nVersion: 0\n' > /tmp/site/cosyapp_plugin-0.dist-info/METADATA

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTING_VARIABLES = ("GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT", "PORT", "SPACE_ID")
@@ -119,6 +120,40 @@ def test_settings_read_the_environment(monkeypatch, tmp_path):
     settings = parse_settings([])
     assert settings.model == str(tmp_path) and settings.demo
     assert parse_settings(["--model", "org/name"]).model == "org/name"
+
+
+def test_first_hop_reaches_the_engine_and_stays_in_the_range_every_speed_can_stream(monkeypatch, capsys):
+    from cosyapp.engine.chunking import MAX_HOP
+    from cosyapp.settings import MAX_FIRST_HOP, MIN_FIRST_HOP, parse_settings
+
+    assert MAX_FIRST_HOP == MAX_HOP
+    monkeypatch.setenv("COSYAPP_FIRST_HOP", "12")
+    assert parse_settings([]).first_hop == 12
+    for bad in (str(MIN_FIRST_HOP - 1), str(MAX_FIRST_HOP + 1)):
+        with pytest.raises(SystemExit):
+            parse_settings(["--first-hop", bad])
+        assert "--first-hop must be between 10 and 100" in capsys.readouterr().err
+
+
+def test_the_lowest_first_hop_streams_at_the_highest_speed_and_one_less_cannot(tiny_model):
+    import torch
+
+    from cosyapp.engine.pipeline import MAX_SPEED
+    from cosyapp.engine.token2wav import Token2Wav
+    from cosyapp.models.cosyvoice2 import PromptInputs
+    from cosyapp.settings import MIN_FIRST_HOP
+
+    g = torch.Generator().manual_seed(0)
+    prompt = PromptInputs(
+        text_ids=torch.zeros(1, dtype=torch.long),
+        speech_tokens=torch.randint(0, 6561, (75,), generator=g),
+        speech_feat=torch.randn(150, 80, generator=g),
+        embedding=torch.randn(192, generator=g),
+    )
+    stream = Token2Wav(tiny_model, first_hop=MIN_FIRST_HOP).open_stream(prompt, speed=MAX_SPEED)
+    assert stream.schedule.hop() == MIN_FIRST_HOP  # 75 prompt tokens: no alignment pad
+    with pytest.raises(ValueError, match="too high for streaming"):
+        Token2Wav(tiny_model, first_hop=MIN_FIRST_HOP - 1).open_stream(prompt, speed=MAX_SPEED)
 
 
 def test_the_demo_app_serves_the_page_and_health_then_stops_cleanly(tmp_path):

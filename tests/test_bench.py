@@ -1,37 +1,229 @@
+"""The benchmark program: the --smoke run end to end (tiny model, CPU, every driver, both modes, the
+baselines) and the pieces whose numbers can be checked by hand."""
+
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from cosyapp.bench.__main__ import parse_args
+from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
+from cosyapp.bench.stats import playback_underruns
 
 REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+SAMPLE_RATE = 24_000
+# Packages the GPU machine lacks: the in-process benchmark must run without them.
+NOT_ON_GPU_MACHINE = (
+    "gradio",
+    "gradio_client",
+    "uvicorn",
+    "fastapi",
+    "starlette",
+    "httpx",
+    "soundfile",
+    "librosa",
+)
 
 
-def test_smoke_benchmark_writes_consistent_json(tmp_path):
-    out = tmp_path / "bench.json"
-    subprocess.run(
-        [sys.executable, "-m", "cosyapp.bench", "--smoke", "--engine", "torch", "--device", "cpu",
-         "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        cwd=REPO, check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    result = json.loads(out.read_text())
-    assert result["engine"] == "TorchSpeechLM" and result["tokens_per_request"] == 40
-    levels = result["levels"]
-    assert [(lv["clients"], lv["streaming"]) for lv in levels] == [(1, True), (4, True)]
-    for level in levels:
-        # Endless model: every request decodes exactly 40 tokens = 1.6 s of audio.
-        assert level["audio_s"] == pytest.approx(level["clients"] * 40 / 25)
-        assert 0 < level["ttfa_p50"] <= level["ttfa_p99"] <= level["wall_s"]
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """(result JSON, output folder, work folder) of one --smoke run."""
+    folder = tmp_path_factory.mktemp("bench")
+    out = folder / "smoke.json"
+    command = [sys.executable, "-m", "cosyapp.bench", "--smoke", "--workdir", str(folder / "work")]
+    done = subprocess.run(
+        [*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), folder, folder / "work"
+
+
+def test_smoke_measures_every_driver_mode_and_level_once(smoke):
+    result, _, _ = smoke
+    settings = [(lv["driver"], lv["text"], lv["streaming"], lv["clients"]) for lv in result["levels"]]
+    expected = itertools.product(["pipeline", "openai", "gradio"], ["short"], [True, False], [1, 2])
+    assert sorted(settings) == sorted(expected)
+    for level in result["levels"]:
+        assert level["requests"] == level["clients"] and level["failed"] == 0, level["errors"]
+
+
+def test_smoke_records_where_and_how_it_ran(smoke):
+    result, _, _ = smoke
+    assert result["engine"] == "TorchSpeechLM" and result["server"] == "own server, this process"
+    assert result["hardware"]["device"] == "cpu" and result["hardware"]["cpu_count"] >= 1
+    assert result["versions"]["torch"] == torch.__version__
+    assert result["versions"]["gradio"] and result["versions"]["gradio_client"]
+    assert result["command"].startswith("python -m cosyapp.bench --smoke")
+    assert result["options"]["clients"] == [1, 2] and result["options"]["modes"] == ["stream", "whole"]
+    assert result["options"]["baselines"] is True
+    assert result["engine_options"]["first_hop"] == "25"
+
+
+def test_every_driver_received_exactly_the_audio_the_text_decodes(smoke, tmp_path):
+    """Endless model: each request of the short text decodes 3 speech tokens per text token, so every
+    driver must deliver exactly that much audio (HTTP bytes and gradio's reported samples included)."""
+    from cosyapp.frontend.text import TextFrontend
+    from cosyapp.models.checkpoint import BACKBONE_DIR
+
+    result, _, work = smoke
+    short = result["texts"]["short"]
+    sentences = TextFrontend(work / "tiny" / BACKBONE_DIR).prepare(short["text"])
+    text_tokens = sum(len(s.ids) for s in sentences)
+    assert (short["text_tokens"], short["sentences"]) == (text_tokens, len(sentences))
+    assert short["speech_tokens_per_text_token"] == 3
+    assert short["speech_tokens"] == 3 * text_tokens and short["chars"] == len(short["text"]) < 30
+    for level in result["levels"]:
+        expected = level["clients"] * short["speech_tokens"] / TOKENS_PER_SECOND
+        assert level["audio_s"] == pytest.approx(expected), (level["driver"], level["streaming"])
+
+
+def test_latency_and_throughput_fields_are_consistent(smoke):
+    result, _, _ = smoke
+    for level in result["levels"]:
+        assert 0 < level["ttfa_p50"] <= level["ttfa_p90"] <= level["ttfa_p99"] <= level["wall_s"]
+        assert 0 < level["total_p50"] <= level["total_p90"] <= level["total_p99"] <= level["wall_s"]
+        assert level["ttfa_p50"] <= level["total_p99"]
         assert level["rtf_aggregate"] == pytest.approx(level["wall_s"] / level["audio_s"])
+        assert level["requests_per_s"] == pytest.approx(level["requests"] / level["wall_s"])
+        assert level["audio_per_wall_s"] == pytest.approx(level["audio_s"] / level["wall_s"])
+        if not level["streaming"]:  # a whole clip of one sentence arrives at once
+            assert level["ttfa_p99"] == pytest.approx(level["total_p99"], abs=0.05)
+
+
+def test_underrun_fields_are_counts_and_seconds(smoke):
+    result, _, _ = smoke
+    for level in [*result["levels"], result["baselines"]["b_engine_lm_serial_token2wav"]]:
+        events, streams, stall = (
+            level["underrun_events"],
+            level["streams_with_underruns"],
+            level["stall_s_total"],
+        )
+        assert isinstance(events, int) and isinstance(streams, int)
+        assert 0 <= streams <= min(events, level["clients"])
+        assert (stall > 0) == (events > 0) and stall < level["wall_s"]
+
+
+def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke):
+    result, _, _ = smoke
+    for level in result["levels"]:
+        for stage in ("lm", "flow", "hift"):
+            histogram = {int(size): n for size, n in level["batch_hist"][stage].items()}
+            assert sum(histogram.values()) == level["batch_samples"][stage] >= 1
+            assert level[f"{stage}_max_batch"] == max(histogram)
         assert 1 <= level["lm_max_batch"] <= level["clients"]
-        assert level["flow_calls"] >= 1 and level["flow_ms_per_call"] > 0
+        stages = level["stages"]
+        assert stages["flow_calls"] >= 1 and stages["hift_calls"] >= 1
+        assert 0 < stages["flow_s"] + stages["hift_s"] <= level["wall_s"]
+        assert stages["flow_ms_per_call"] == pytest.approx(1000 * stages["flow_s"] / stages["flow_calls"])
+        assert stages["lm_tokens"] == level["clients"] * result["texts"]["short"]["speech_tokens"]
+        assert level["gpu_peak_allocated_gb"] is None  # a CPU run
+
+
+def test_baselines_ran_on_the_same_load_and_their_ratios_match(smoke):
+    result, _, _ = smoke
     baselines = result["baselines"]
     assert set(baselines) == {"a_sequential_reference", "b_engine_lm_serial_token2wav", "c_torch_engine"}
-    for name in ("a_sequential_reference", "b_engine_lm_serial_token2wav"):
+    assert "PyTorch" in baselines["c_torch_engine"]["same_as"]  # the smoke run's engine is that one
+    reference = result["baselines_reference"]
+    assert reference == {"driver": "pipeline", "text": "short", "streaming": True, "clients": 2}
+    (d,) = [lv for lv in result["levels"] if all(lv[k] == v for k, v in reference.items())]
+    audio = result["texts"]["short"]["audio_s"]
+    for name, clients in (("a_sequential_reference", 2), ("b_engine_lm_serial_token2wav", 2)):
         base = baselines[name]
-        assert base["clients"] == 4 and base["audio_s"] == pytest.approx(4 * 40 / 25)
-        assert base["ttfa_p50"] <= base["ttfa_p99"] <= base["wall_s"]
+        assert base["requests"] == base["clients"] == clients and base["failed"] == 0
+        assert base["audio_s"] == pytest.approx(clients * audio)
+        assert 0 < base["ttfa_p50"] <= base["ttfa_p90"] <= base["ttfa_p99"] <= base["wall_s"]
         assert base["cosyapp_throughput_ratio"] == pytest.approx(
-            levels[-1]["audio_per_wall_s"] / base["audio_per_wall_s"]
+            d["audio_per_wall_s"] / base["audio_per_wall_s"]
         )
+    serial = baselines["b_engine_lm_serial_token2wav"]
+    assert serial["flow_max_batch"] == serial["hift_max_batch"] == 1
+    assert serial["cosyapp_ttfa_p50_ratio"] == pytest.approx(serial["ttfa_p50"] / d["ttfa_p50"])
+
+
+def test_plots_are_png_files_next_to_the_json(smoke):
+    result, folder, _ = smoke
+    assert set(result["plots"]) == {"latency", "throughput", "stages"}
+    for name, path in result["plots"].items():
+        assert Path(path) == folder / f"smoke-{name}.png"
+        assert Path(path).read_bytes()[:8] == PNG and Path(path).stat().st_size > 10_000
+
+
+def test_playback_underruns_count_each_gap_and_its_stall():
+    # Plays from 1.0: first chunk to 1.5; second (1.4) in time, to 2.0; third arrives 2.5: a 0.5 s stall,
+    # plays to 3.5; fourth (3.0) in time.
+    chunks = [(1.0, 0.5), (1.4, 0.5), (2.5, 1.0), (3.0, 0.2)]
+    assert playback_underruns(chunks) == (1, pytest.approx(0.5))
+    assert playback_underruns([(0.2, 0.1), (0.5, 0.1), (0.9, 0.1)]) == (2, pytest.approx(0.5))
+    assert playback_underruns([]) == (0, 0.0)
+
+
+def test_the_bench_voice_is_offered_by_name_from_the_model_folder(tiny_model_dir, tmp_path):
+    """A server of the folder finds the voice the in-process driver uses, by name, unchanged."""
+    import shutil
+
+    from cosyapp.frontend.text import TextFrontend
+    from cosyapp.frontend.voice import VoiceFrontend
+    from cosyapp.models.checkpoint import BACKBONE_DIR
+    from cosyapp.voices import VoiceLibrary
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    text = TextFrontend(folder / BACKBONE_DIR)
+    write_speaker(folder, text)
+    library = VoiceLibrary(tmp_path / "data", VoiceFrontend(folder), spk2info=folder / "spk2info.pt")
+    mine = bench_voice(text)
+    served = library.get(mine.info.id)
+    assert mine.info.id in {info.id for info in library.list_voices()}
+    assert served.prompt_ids == mine.prompt_ids and len(mine.prompt_ids) > 0
+    for name in ("speech_tokens", "speech_feat", "embedding"):
+        assert torch.equal(getattr(served.features, name), getattr(mine.features, name))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--baselines", "--drivers", "openai"], "--baselines compares against the pipeline driver"),
+        (["--texts", "tokens", "--tokens", "250.5"], "invalid int value"),
+        (["--texts", "tokens", "--tokens", "30"], "--tokens must be a positive multiple of 20"),
+        (["--drivers", "pipeline,grpc"], "--drivers: unknown 'grpc'"),
+        (["--clients", "1,x"], "--clients takes whole numbers"),
+    ],
+)
+def test_bad_options_stop_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_options_keep_the_earlier_flags_and_add_first_hop_and_eager_flow():
+    args = parse_args(
+        ["--full-size", "--engine", "vllm", "--tokens", "260", "--modes", "stream,whole",
+         "--clients", "1,16,64", "--no-cuda-graphs", "--workdir", "work", "--out", "b.json",
+         "--max-batch", "32", "--gpu-memory-utilization", "0.5", "--first-hop", "12",
+         "--drivers", "pipeline"]
+    )  # fmt: skip
+    assert (args.full_size, args.engine, args.tokens, args.modes) == (True, "vllm", 260, ["stream", "whole"])
+    assert (args.clients, args.cuda_graphs, args.max_batch, args.first_hop) == ([1, 16, 64], False, 32, 12)
+    assert args.drivers == ["pipeline"] and args.gpu_memory_utilization == 0.5
+    assert parse_args([]).cuda_graphs
+
+
+def test_the_in_process_benchmark_imports_nothing_the_gpu_machine_lacks():
+    blocked = ", ".join(repr(name) for name in NOT_ON_GPU_MACHINE)
+    code = (
+        f"import sys\nfor name in ({blocked}):\n    sys.modules[name] = None\n"
+        "from cosyapp.bench.__main__ import parse_args\n"
+        "from cosyapp.bench import run\n"
+        "args = parse_args(['--drivers', 'pipeline', '--baselines'])\n"
+        "print(args.drivers)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['pipeline']"

@@ -272,3 +272,16 @@ def test_a_generator_draws_what_the_default_generator_seeded_alike_draws(tiny_hi
         torch.manual_seed(0)
         got = tiny_hift(mel, generators=[torch.Generator().manual_seed(31)])
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_fused_weight_norm_gives_the_same_audio_without_parametrizations():
+    torch.manual_seed(0)
+    model = _tiny_hift().eval()
+    mel = _mel(2, 9)
+    with torch.inference_mode():
+        expected, _ = model(mel, generators=[torch.Generator().manual_seed(i) for i in range(2)])
+        model.fuse_weight_norm()
+        got, _ = model(mel, generators=[torch.Generator().manual_seed(i) for i in range(2)])
+    assert not any("parametrizations" in name for name in model.state_dict())
+    assert "conv_pre.weight" in model.state_dict()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)

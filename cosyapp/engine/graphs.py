@@ -1,54 +1,77 @@
-"""Replay the flow estimator from CUDA graphs, one per (batch, frames) bucket.
+"""Replay the flow estimator from CUDA graphs, one per (rows, frames, attention mode) bucket.
 
 At the batch sizes a serving engine sees, one eager estimator step is launch-bound (on an H200 ~25 ms
 eager against ~6 ms replayed, docs/benchmarks/2026-12-02-h200-flow-steps.json), and the CFM takes ten
 steps per flow call. Inputs are padded up to a bucket: extra frames get mask 0 (the estimator is causal
-and masks padded keys, so valid frames are unchanged) and extra batch rows are independent dummies.
+and masks padded keys, so valid frames are unchanged) and extra rows are independent dummies.
+
+Every bucket is captured once at start-up (``capture_all``), so requests never pay for a capture.
+Calls larger than the biggest bucket (MAX_CELLS) run eagerly: there the GPU, not the launches, is the
+limit, and padding would only add work.
 """
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)  # estimator rows: CFG doubles the items
+ROW_BUCKETS = (2, 4, 8, 16, 32, 64)  # estimator rows: CFG doubles the items, so up to 32 items
+FRAME_STEP = 128  # frames are padded up to a multiple of this ...
+MAX_FRAMES = 2048  # ... up to here (prompt + generated mel frames: ~40 s of speech)
+# Rows x frames of the largest graph. Measured on an H200 (docs/benchmarks/*-token2wav-speed.json),
+# a flow call of 16 items x 206 frames takes 168 ms graphed against 344 ms eager, 32 x 206 266 against
+# 371, but 64 x 206 488 against 426 and 16 x 670 the same both ways: past ~16k cells the GPU is the
+# limit and the padding to a bucket only adds work.
+MAX_CELLS = 16384
 
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph | None
+    graph: torch.cuda.CUDAGraph | None  # None: pad and run eagerly (CPU, or to check the padding)
     inputs: tuple[Tensor, ...]  # x, mask, mu, t, spks, cond at the bucket's shape
     output: Tensor
 
 
-def bucket(value: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= value (values past the last bucket are their own bucket)."""
-    return next((b for b in buckets if b >= value), value)
+def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= value, or None past the last one."""
+    return next((b for b in buckets if b >= value), None)
 
 
 class GraphedEstimator(nn.Module):
     """Drop-in for ``CausalConditionalDecoder.forward`` that pads to buckets and replays CUDA graphs.
 
-    ``frame_step``: frames are padded up to a multiple of it. ``max_graphs``: captured graphs kept
-    (least recently used dropped). ``use_graphs`` False pads and runs eagerly (CPU, or to check the
-    padding). Graph capture and replay must happen on one thread (the token2wav worker).
+    A call is graphed when its rows and frames fit in the buckets and the bucket holds at most
+    ``max_cells`` rows x frames; others run eagerly as they are.
+    ``use_graphs`` False pads and runs eagerly (CPU, or to check the padding). A graph replays on the
+    thread that calls it; captures use thread-local capture mode, so other threads' CUDA work (the
+    event loop's prompt embeddings) cannot break them.
     """
 
     def __init__(
-        self, estimator: nn.Module, frame_step: int = 64, max_graphs: int = 96, use_graphs: bool = True
+        self,
+        estimator: nn.Module,
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
+        frame_buckets: tuple[int, ...] = tuple(range(FRAME_STEP, MAX_FRAMES + 1, FRAME_STEP)),
+        max_cells: int = MAX_CELLS,
+        use_graphs: bool = True,
     ):
         super().__init__()
         self.estimator = estimator
-        self.frame_step = frame_step
-        self.max_graphs = max_graphs
+        self.row_buckets = row_buckets
+        self.frame_buckets = frame_buckets
+        self.max_cells = max_cells
         self.use_graphs = use_graphs
-        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
 
     @property
     def out_channels(self) -> int:
         return self.estimator.out_channels
+
+    @property
+    def captured(self) -> int:
+        """Number of buckets captured so far."""
+        return len(self._graphs)
 
     def forward(
         self,
@@ -61,48 +84,33 @@ class GraphedEstimator(nn.Module):
         streaming: bool = False,
     ) -> Tensor:
         rows, _, frames = x.shape
-        shape = (bucket(rows, BATCH_BUCKETS), -(-frames // self.frame_step) * self.frame_step)
-        autocast = torch.is_autocast_enabled(x.device.type)
-        key = (*shape, streaming, x.dtype, autocast and torch.get_autocast_dtype(x.device.type), x.device)
-        captured = self._graphs.get(key)
-        if captured is None:
-            captured = self._capture(key, (x, mask, mu, t, spks, cond), streaming)
-        self._graphs.move_to_end(key)
-        self._fill(captured.inputs, (x, mask, mu, t, spks, cond))
+        shape = (bucket(rows, self.row_buckets), bucket(frames, self.frame_buckets))
+        if None in shape or shape[0] * shape[1] > self.max_cells:
+            return self.estimator(x, mask, mu, t, spks, cond, streaming)
+        key = (*shape, streaming, x.dtype, _autocast_dtype(x.device), x.device)
+        captured = self._graphs.get(key) or self._capture(key, (x, mask, mu, t, spks, cond), streaming)
+        _fill(captured.inputs, (x, mask, mu, t, spks, cond))
         if captured.graph is None:
             return self.estimator(*captured.inputs, streaming)[:rows, :, :frames]
         captured.graph.replay()
         return captured.output[:rows, :, :frames].clone()
 
-    @staticmethod
-    def _fill(static: tuple[Tensor, ...], given: tuple[Tensor, ...]) -> None:
-        """Copy the call's tensors into the bucket's inputs; padded frames get mask 0, dummy rows mask 1."""
-        x, mask, mu, t, spks, cond = given
-        rows, _, frames = x.shape
-        sx, smask, smu, st, sspks, scond = static
-        for dst, src in ((sx, x), (smu, mu), (scond, cond)):
-            dst[:rows, :, :frames].copy_(src)
-            dst[:rows, :, frames:].zero_()
-        smask[:rows].zero_()
-        smask[:rows, :, :frames].copy_(mask)
-        st[:rows].copy_(t)
-        sspks[:rows].copy_(spks)
+    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Capture every bucket (both attention modes) for inputs of ``dtype`` under the current
+        autocast state; returns the number of buckets now captured."""
+        for rows in self.row_buckets:
+            for frames in (f for f in self.frame_buckets if rows * f <= self.max_cells):
+                for streaming in (False, True):
+                    key = (rows, frames, streaming, dtype, _autocast_dtype(device), device)
+                    if key not in self._graphs:
+                        like = _blank_inputs(rows, frames, self.out_channels, device, dtype)
+                        self._capture(key, like, streaming)
+        return self.captured
 
     def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
         rows, frames = key[0], key[1]
         x, mask, mu, t, spks, cond = like
-
-        def blank(src: Tensor, *shape: int) -> Tensor:
-            return torch.zeros(shape, dtype=src.dtype, device=src.device)
-
-        inputs = (
-            blank(x, rows, x.size(1), frames),
-            torch.ones((rows, 1, frames), dtype=mask.dtype, device=mask.device),  # dummy rows: all valid
-            blank(mu, rows, mu.size(1), frames),
-            blank(t, rows),
-            blank(spks, rows, spks.size(1)),
-            blank(cond, rows, cond.size(1), frames),
-        )
+        inputs = _blank_inputs(rows, frames, x.size(1), x.device, x.dtype, mu.size(1), cond.size(1))
         if not (self.use_graphs and x.is_cuda):
             captured = _Captured(None, inputs, inputs[0])
         else:
@@ -114,10 +122,50 @@ class GraphedEstimator(nn.Module):
                     self.estimator(*inputs, streaming)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.estimator(*inputs, streaming)
             captured = _Captured(graph, inputs, output)
         self._graphs[key] = captured
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
         return captured
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _blank_inputs(
+    rows: int,
+    frames: int,
+    channels: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    mu_channels: int | None = None,
+    cond_channels: int | None = None,
+) -> tuple[Tensor, ...]:
+    """Zero inputs of a bucket; the mask is all ones so dummy rows are ordinary (finite) items."""
+
+    def zeros(*shape: int) -> Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return (
+        zeros(rows, channels, frames),
+        torch.ones((rows, 1, frames), dtype=dtype, device=device),
+        zeros(rows, mu_channels or channels, frames),
+        zeros(rows),
+        zeros(rows, channels),
+        zeros(rows, cond_channels or channels, frames),
+    )
+
+
+def _fill(static: tuple[Tensor, ...], given: tuple[Tensor, ...]) -> None:
+    """Copy the call's tensors into the bucket's inputs; padded frames get mask 0, dummy rows mask 1."""
+    x, mask, mu, t, spks, cond = given
+    rows, _, frames = x.shape
+    sx, smask, smu, st, sspks, scond = static
+    for dst, src in ((sx, x), (smu, mu), (scond, cond)):
+        dst[:rows, :, :frames].copy_(src)
+        dst[:rows, :, frames:].zero_()
+    smask[:rows].zero_()
+    smask[:rows, :, :frames].copy_(mask)
+    st[:rows].copy_(t)
+    sspks[:rows].copy_(spks)

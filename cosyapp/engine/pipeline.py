@@ -3,9 +3,10 @@
     request -> text frontend (sentences, ids) -> per sentence: prompt embeddings -> LM engine
     (batched across all requests) -> token2wav worker (batched across all streams) -> audio chunks
 
-Admission control bounds the streams in flight and the requests waiting; cancellation (closing the
-iterator, or cancelling the task that consumes it) aborts the LM request and drops pending token2wav
-work; an error in one request ends only that request.
+Admission control (``admission.FairAdmission``) bounds the streams in flight and the requests
+waiting, and shares the slots fairly across clients; cancellation (closing the iterator, or
+cancelling the task that consumes it) aborts the LM request and drops pending token2wav work; an
+error in one request ends only that request.
 """
 
 import asyncio
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cosyapp.engine.admission import BusyError as BusyError  # callers take it with the Pipeline
+from cosyapp.engine.admission import FairAdmission
 from cosyapp.engine.lm import LMRequest, SpeechTokenLM
 from cosyapp.engine.metrics import Metrics, RequestRecord
 from cosyapp.engine.token2wav import Token2Wav
@@ -29,19 +32,20 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 MAX_SEED = 2**63 - 1
 
 
-class BusyError(RuntimeError):
-    """The pipeline is at its admission limits; the message says to try again."""
-
-
 @dataclass(frozen=True)
 class SynthesisRequest:
-    """What a session asks for. ``seed`` None draws a fresh one; the same seed gives the same audio."""
+    """What a session asks for. ``seed`` None draws a fresh one; the same seed gives the same audio.
+
+    ``client`` names who asks (a session, an API key, an address) for fair admission; None counts
+    the request as a client of its own.
+    """
 
     text: str
     voice: Voice
     speed: float = 1.0
     seed: int | None = None
     streaming: bool = True
+    client: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -85,22 +89,30 @@ class Pipeline:
         self.text = text
         self.lm = lm
         self.token2wav = token2wav
-        self.max_streams = max_streams
-        self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
-        self._slots = asyncio.Semaphore(max_streams)
-        self._waiting = 0
-        self._active = 0
+        self.admission = FairAdmission(max_streams, max_waiting, on_reject=self.metrics.rejected)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self.metrics.gauges.update(
-            queue_depth=lambda: self._waiting,
+            queue_depth=lambda: self.admission.waiting,
             lm_batch_size=lambda: self.lm.stats().last_batch_size,
             lm_max_batch_size=lambda: self.lm.stats().max_batch_size,
             token2wav_batch_size=lambda: self.token2wav.stats().last_flow_batch,
             token2wav_max_batch_size=lambda: self.token2wav.stats().max_flow_batch,
             gpu_memory_gb=_gpu_memory_gb,
         )
+
+    @property
+    def max_streams(self) -> int:
+        return self.admission.max_streams
+
+    @property
+    def max_waiting(self) -> int:
+        return self.admission.max_waiting
+
+    @max_waiting.setter
+    def max_waiting(self, value: int) -> None:
+        self.admission.max_waiting = value
 
     @property
     def sample_rate(self) -> int:
@@ -117,6 +129,7 @@ class Pipeline:
             if self._started:
                 return
             await self.lm.start()
+            await asyncio.to_thread(self.token2wav.capture_graphs)
             self.token2wav.start()
             self._started = True
             if warm_up:
@@ -154,8 +167,18 @@ class Pipeline:
             await self.lm.shutdown()
 
     def health(self) -> dict[str, object]:
-        """Engine state for /health: started, active streams, waiting requests."""
-        return {"ok": self._started, "active_streams": self._active, "waiting": self._waiting}
+        """Engine state for /health: started, the LM engine's state (serving or restarting), its
+        restarts and latest fault, active streams, waiting requests, clients served."""
+        lm = self.lm.stats()
+        return {
+            "ok": self._started,
+            "lm": lm.state,
+            "lm_restarts": lm.restarts,
+            "last_fault": lm.last_fault,
+            "active_streams": self.admission.active,
+            "waiting": self.admission.waiting,
+            "clients": self.admission.clients(),
+        }
 
     async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Audio of ``request`` as it is produced (one chunk per sentence when not streaming).
@@ -168,7 +191,7 @@ class Pipeline:
         seed = secrets.randbits(63) if request.seed is None else request.seed
         prompt = request.voice.prompt(self.text)
         await self.start()
-        async with self._admission():
+        async with self.admission.slot(request.client):
             record = self.metrics.begin(request.request_id)
             status = "failed"
             try:
@@ -239,34 +262,6 @@ class Pipeline:
                 yield new
         finally:
             await tokens.aclose()
-
-    def _admission(self) -> "_Admission":
-        if self._slots.locked() and self._waiting >= self.max_waiting:
-            self.metrics.rejected()
-            raise BusyError(
-                f"the server is busy ({self.max_streams} streams running, {self._waiting} waiting); "
-                "try again in a moment"
-            )
-        return _Admission(self)
-
-
-class _Admission:
-    """Holds one stream slot for the duration of a request; counts the requests waiting for one."""
-
-    def __init__(self, pipeline: Pipeline):
-        self.pipeline = pipeline
-
-    async def __aenter__(self) -> None:
-        self.pipeline._waiting += 1
-        try:
-            await self.pipeline._slots.acquire()
-        finally:
-            self.pipeline._waiting -= 1
-        self.pipeline._active += 1
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.pipeline._active -= 1
-        self.pipeline._slots.release()
 
 
 def _gpu_memory_gb() -> float:

@@ -10,13 +10,15 @@ own prompt, tokens and seed, never on which streams share its batches (inference
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")  # a batch item: a Job for the flow, (Job, HiFT input mel) for HiFT
 
 
 @dataclass
@@ -114,6 +117,25 @@ class Token2Wav:
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
+
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
+        (engine/graphs.py); call before start(). Returns the graphs captured (0 without graphs)."""
+        from cosyapp.engine.graphs import GraphedEstimator
+
+        estimator = self.model.flow.decoder.estimator
+        if not isinstance(estimator, GraphedEstimator):
+            return 0
+        dev = self.model.device
+        dtype = self.autocast_dtype or self.model.flow.input_embedding.weight.dtype
+        with (
+            torch.inference_mode(),
+            torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None),
+        ):
+            started = time.perf_counter()
+            count = estimator.capture_all(dev, dtype)
+        logger.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
+        return count
 
     def stop(self) -> None:
         """Stop and join the worker; queued jobs fail with RuntimeError. Idempotent."""
@@ -211,15 +233,19 @@ class Token2Wav:
         for job in jobs:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
         for (streaming, finalize), group in groups.items():
-            with _failing(group, "flow"):
-                started = time.perf_counter()
-                mels = self._flow_group(group, streaming, finalize)
-                if mels and mels[0].is_cuda:
-                    torch.cuda.synchronize(mels[0].device)  # count the device time, not just the launches
-                self._stats.flow_calls += 1
-                self._stats.flow_seconds += time.perf_counter() - started
-                for job, mel in zip(group, mels, strict=True):
-                    job.mel = mel
+            flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
+            _retry_in_halves(group, flow, lambda batch: batch, "flow")
+
+    def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
+        """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
+        started = time.perf_counter()
+        mels = self._flow_group(jobs, streaming, finalize)
+        if mels and mels[0].is_cuda:
+            torch.cuda.synchronize(mels[0].device)  # count the device time, not just the launches
+        self._stats.flow_calls += 1
+        self._stats.flow_seconds += time.perf_counter() - started
+        for job, mel in zip(jobs, mels, strict=True):
+            job.mel = mel
 
     def _flow_group(self, jobs: list[Job], streaming: bool, finalize: bool) -> list[Tensor]:
         dev = self.model.device
@@ -257,20 +283,29 @@ class Token2Wav:
                 has_cache = job.state.overlap.source is not None
                 groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
         for group in groups.values():
-            outputs = None
-            with _failing([job for job, _ in group], "HiFT"):
-                started = time.perf_counter()
-                outputs = self._hift(group)  # ends with a copy to the CPU, so the device work is done
-                self._stats.hift_calls += 1
-                self._stats.hift_seconds += time.perf_counter() - started
-            if outputs is None:
-                continue
-            speech, source = outputs
-            for i, (job, mel) in enumerate(group):
-                with _failing([job], "cross-fade"):
-                    audio = job.state.overlap.finish(mel, speech[i], source[i], final=job.finalize)
-                    self._stats.jobs_done += 1
-                    _deliver(job, audio=audio.numpy().copy())
+            _retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
+
+    def _vocode_group(self, group: list[tuple[Job, Tensor]]) -> None:
+        """One HiFT call for the group, then each job's cross-fade and delivery.
+
+        Raises what the HiFT call raised, with every stream's noise generator as it was before it.
+        """
+        generators = [job.state.generator for job, _ in group]
+        noise_states = [g.get_state() for g in generators]
+        started = time.perf_counter()
+        try:
+            speech, source = self._hift(group)  # ends with a copy to the CPU, so the device work is done
+        except Exception:
+            for generator, state in zip(generators, noise_states, strict=True):
+                generator.set_state(state)  # a retry then draws the same noise as a first try
+            raise
+        self._stats.hift_calls += 1
+        self._stats.hift_seconds += time.perf_counter() - started
+        for i, (job, mel) in enumerate(group):
+            with _failing([job], "cross-fade"):
+                audio = job.state.overlap.finish(mel, speech[i], source[i], final=job.finalize)
+                self._stats.jobs_done += 1
+                _deliver(job, audio=audio.numpy().copy())
 
     def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
         """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
@@ -295,6 +330,33 @@ def _failing(jobs: list[Job], what: str) -> Iterator[None]:
     except Exception as error:
         logger.exception("token2wav %s failed for %d jobs", what, len(jobs))
         for job in jobs:
+            _deliver(job, error=error)
+
+
+def _retry_in_halves(
+    batch: list[T], run: Callable[[list[T]], None], jobs_of: Callable[[list[T]], list[Job]], what: str
+) -> None:
+    """``run(batch)``; when it runs out of device memory, run each half on its own, and so on down to
+    single items: only an item that fails alone, or a batch that fails otherwise, gets the error.
+
+    One stream's oversized chunk then costs the others a slower step, not their audio.
+    """
+    try:
+        run(batch)
+    except torch.OutOfMemoryError as error:
+        if len(batch) == 1:
+            logger.error("token2wav %s ran out of memory for a single job", what)
+            _deliver(jobs_of(batch)[0], error=error)
+            return
+        logger.warning("token2wav %s ran out of memory for %d jobs; retrying in halves", what, len(batch))
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # hand the failed call's blocks back before the smaller calls
+        half = len(batch) // 2
+        _retry_in_halves(batch[:half], run, jobs_of, what)
+        _retry_in_halves(batch[half:], run, jobs_of, what)
+    except Exception as error:
+        logger.exception("token2wav %s failed for %d jobs", what, len(batch))
+        for job in jobs_of(batch):
             _deliver(job, error=error)
 
 

@@ -16,8 +16,7 @@ MIN_SAMPLE_RATE = 16_000  # the speech tokenizer and CAM++ work at 16 kHz; upstr
 MIN_PROMPT_SECONDS = 1.0  # shorter prompts give too few tokens and frames to clone a voice from
 MAX_PROMPT_SECONDS = 30.0  # the speech tokenizer's limit
 SILENCE_PEAK = 1e-3  # -60 dBFS: a peak below this is silence or a muted microphone
-
-AudioSource = str | Path | bytes | tuple[int, np.ndarray]
+MAX_FILE_MB = 20  # a 30 s prompt is ~5 MB as 44.1 kHz stereo 16-bit WAV
 
 
 class VoiceError(ValueError):
@@ -52,6 +51,10 @@ class SilentAudioError(VoiceError):
     """The peak level is below SILENCE_PEAK."""
 
 
+class FileTooLargeError(VoiceError):
+    """The file is larger than the upload limit (checked before it is read)."""
+
+
 @dataclass(frozen=True, eq=False)
 class PromptAudio:
     """A validated prompt recording: samples (N,) float32 mono at sample_rate Hz.
@@ -67,19 +70,26 @@ class PromptAudio:
         return len(self.samples) / self.sample_rate
 
 
-def load_prompt_audio(source: AudioSource) -> PromptAudio:
+AudioSource = str | Path | bytes | tuple[int, np.ndarray] | PromptAudio
+
+
+def load_prompt_audio(source: AudioSource, max_mb: float = MAX_FILE_MB) -> PromptAudio:
     """Read and validate a prompt recording.
 
     Takes a file path, the bytes of a file (anything soundfile decodes: WAV, FLAC, OGG, MP3, ...),
-    or a Gradio ``(rate, array)`` tuple whose array is int or float, shaped (N,) or (N, channels).
-    Channels are averaged to mono. Returns the samples at the recording's own rate.
+    or a Gradio ``(rate, array)`` tuple whose array is int or float, shaped (N,) or (N, channels);
+    a ``PromptAudio`` (already validated) is returned as it is. Channels are averaged to mono.
+    A file larger than ``max_mb`` MiB is refused before it is read.
+    Returns the samples at the recording's own rate.
     Raises a ``VoiceError`` subclass naming the problem when the recording is unusable.
     """
+    if isinstance(source, PromptAudio):
+        return source
     if isinstance(source, tuple):
         rate, array = source
         samples = _to_float(np.asarray(array))
     else:
-        samples, rate = _read_file(source)
+        samples, rate = _read_file(source, int(max_mb * 2**20))
     if samples.ndim not in (1, 2):
         raise UnreadableAudioError(f"The recording has shape {samples.shape}; expected (samples, channels).")
     if samples.ndim == 2:
@@ -89,19 +99,22 @@ def load_prompt_audio(source: AudioSource) -> PromptAudio:
     return PromptAudio(samples=samples, sample_rate=int(rate))
 
 
-def _read_file(source: str | Path | bytes) -> tuple[np.ndarray, int]:
-    """Decode a file without reading more than just over the length limit."""
+def _read_file(source: str | Path | bytes, max_bytes: int) -> tuple[np.ndarray, int]:
+    """Decode a file of at most ``max_bytes`` without reading more than just over the length limit."""
     if isinstance(source, bytes):
-        if not source:
-            raise EmptyAudioError("The recording is empty: the file has no content.")
-        handle, name = io.BytesIO(source), "the uploaded file"
+        size, handle, name = len(source), io.BytesIO(source), "the uploaded file"
     else:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"prompt audio {path} does not exist")
-        if path.stat().st_size == 0:
-            raise EmptyAudioError("The recording is empty: the file has no content.")
-        handle, name = path, path.name
+        size, handle, name = path.stat().st_size, path, path.name
+    if size == 0:
+        raise EmptyAudioError("The recording is empty: the file has no content.")
+    if size > max_bytes:
+        raise FileTooLargeError(
+            f"The file is too large ({size / 2**20:.1f} MB; the limit is {max_bytes / 2**20:g} MB). "
+            "A voice prompt needs only 1-30 s of audio."
+        )
     try:
         with sf.SoundFile(handle) as f:
             rate = f.samplerate

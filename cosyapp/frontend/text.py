@@ -11,6 +11,7 @@ a bare GPU box.
 import itertools
 import logging
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ ADDITIONAL_SPECIAL_TOKENS = (
 MAX_LEN = 80
 MIN_LEN = 60
 MERGE_LEN = 20
+# Not upstream: a piece with no sentence mark for this long is cut at spaces or commas, so that no
+# sentence (one LM request) grows past MAX_SENTENCE_LEN however the text is written.
+MAX_PIECE_LEN = 2 * MAX_LEN
+MAX_SENTENCE_LEN = MIN_LEN + MAX_PIECE_LEN + MERGE_LEN
 ZH_MARKS = frozenset("。？！；：、.?!;")
 EN_MARKS = frozenset(".?!;:")
 CLOSING_QUOTES = ('"', "”")
@@ -53,6 +58,12 @@ _CJK = re.compile(r"[\u4e00-\u9fff]")
 _DIGIT = re.compile(r"\d")
 _WETEXT_ESCAPED = re.compile(r'\\(["\\])')
 _TRAILING_COMMAS = re.compile(r"[，,、]+$")
+# C0/C1 control characters except tab and newline, and lone surrogates (JSON can carry them, but
+# they cannot be encoded for the tokenizer).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+_BREAK_AFTER = re.compile(r"(?<=[\s,，、])")
+# Scripts of the languages CosyVoice 2 was trained on (Chinese, English, Japanese, Korean).
+_SUPPORTED_LETTER = r"[\p{Latin}\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}]"
 
 
 class TextError(ValueError):
@@ -100,6 +111,7 @@ class TextFrontend:
 
     def normalize_prompt(self, text: str) -> str:
         """The prompt text normalised as one string (upstream's ``split=False``); never split."""
+        text = remove_control_characters(text)
         if _skips_normalization(text):
             return text
         text = text.strip()
@@ -108,9 +120,10 @@ class TextFrontend:
     def split(self, text: str) -> list[str]:
         """The TTS text normalised and split into sentences (upstream's ``split=True``).
 
-        Pieces that are only punctuation or symbols are dropped. Raises ``TextError`` for a number
-        too long to spell out.
+        Control characters are removed first; sentences with nothing to read aloud (no letter or
+        digit) are dropped. Raises ``TextError`` for a number too long to spell out.
         """
+        text = remove_control_characters(text)
         if _skips_normalization(text):
             return [text]
         text = text.strip()
@@ -118,24 +131,35 @@ class TextFrontend:
             sentences = split_paragraph(self._normalize_zh(text), ZH_MARKS, "。", len)
         else:
             sentences = split_paragraph(self._normalize_en(text), EN_MARKS, ".", self._token_count)
-        return [s for s in sentences if not is_only_punctuation(s)]
+        return [s for s in sentences if not has_nothing_to_read(s)]
 
     def prepare(self, text: str) -> list[Sentence]:
         """Validate the user's text, then split it into sentences with their token ids.
 
-        Raises ``TextError`` if the text is empty, longer than ``max_chars``, or has nothing to read
-        aloud once normalised (only punctuation or symbols).
+        Raises ``TextError`` if the text is empty (or only whitespace and control characters), longer
+        than ``max_chars``, has nothing to read aloud (no letter or digit: only punctuation, symbols
+        or emoji), or has letters only in scripts the model was not trained on.
         """
-        if not text.strip():
+        if not remove_control_characters(text).strip():
             raise TextError("The text is empty: type what the voice should say.")
         if len(text) > self.max_chars:
             raise TextError(
                 f"The text is {len(text):,} characters long; the limit is {self.max_chars:,}. "
                 "Shorten it or send it in parts."
             )
+        if has_nothing_to_read(text):
+            raise TextError(
+                "The text has nothing to read aloud: it has no letters or digits, only punctuation, "
+                "symbols or emoji."
+            )
+        if (script := unsupported_script(text)) is not None:
+            raise TextError(
+                f"The text is written in a script this model cannot read ({script}). CosyVoice 2 reads "
+                "Chinese, English, Japanese and Korean."
+            )
         sentences = [Sentence(s, tuple(self.tokenize(s))) for s in self.split(text)]
         if not sentences:
-            raise TextError("The text has nothing to read aloud: it is only punctuation or symbols.")
+            raise TextError("The text has nothing to read aloud once normalised.")
         return sentences
 
     def prompt_ids(self, prompt_text: str) -> list[int]:
@@ -219,6 +243,28 @@ def _is_chinese(text: str) -> bool:
     return _CJK.search(text) is not None
 
 
+def remove_control_characters(text: str) -> str:
+    """``text`` without control characters other than tab and newline, and without lone surrogates.
+
+    None of them can be spoken; "\\r\\n" line ends become "\\n".
+    """
+    return _CONTROL.sub("", text)
+
+
+def unsupported_script(text: str) -> str | None:
+    """The script name (e.g. "Cyrillic") of ``text``'s first letter when no letter of ``text`` is in a
+    script the model reads (Latin, Han, kana, Hangul); None when one is, or when there are no letters.
+    """
+    import regex
+
+    if regex.search(_SUPPORTED_LETTER, text) is not None:
+        return None
+    letter = regex.search(r"\p{L}", text)
+    if letter is None:
+        return None
+    return unicodedata.name(letter[0], "unknown").split()[0].title()
+
+
 def remove_blanks(text: str) -> str:
     """``text`` without the spaces that are not between two ASCII non-space characters.
 
@@ -244,7 +290,7 @@ def split_paragraph(
         return []
     if text[-1] not in marks:
         text += end_mark
-    return merge_pieces(cut_at_marks(text, marks), length)
+    return merge_pieces(cut_long_pieces(cut_at_marks(text, marks), MAX_PIECE_LEN, length), length)
 
 
 def cut_at_marks(text: str, marks: frozenset[str]) -> list[str]:
@@ -274,6 +320,36 @@ def cut_at_marks(text: str, marks: frozenset[str]) -> list[str]:
     return pieces
 
 
+def cut_long_pieces(pieces: Sequence[str], limit: int, length: Callable[[str], int]) -> list[str]:
+    """``pieces`` with each one longer than ``limit`` (as ``length`` measures) cut into parts.
+
+    Cuts go after whitespace or commas, packing as many words into a part as fit; a word longer than
+    ``limit`` on its own is cut between characters. Every part is at most ``limit`` long (a character
+    is at most 4 byte-level tokens, so ``limit`` must be at least 4). Nothing is added or lost.
+    """
+    assert limit >= 4, limit
+    parts: list[str] = []
+    for piece in pieces:
+        if length(piece) <= limit:
+            parts.append(piece)
+            continue
+        part = ""
+        for word in _BREAK_AFTER.split(piece):
+            if part and length(part + word) > limit:
+                parts.append(part)
+                part = ""
+            while length(part + word) > limit:  # part is empty: one word longer than the limit
+                n = len(word)
+                while length(word[:n]) > limit:
+                    n //= 2
+                parts.append(word[:n])
+                word = word[n:]
+            part += word
+        if part:
+            parts.append(part)
+    return parts
+
+
 def merge_pieces(pieces: Sequence[str], length: Callable[[str], int]) -> list[str]:
     """Greedy merge of ``pieces`` into sentences.
 
@@ -294,11 +370,13 @@ def merge_pieces(pieces: Sequence[str], length: Callable[[str], int]) -> list[st
     return sentences
 
 
-def is_only_punctuation(text: str) -> bool:
-    """True if ``text`` is empty or only Unicode punctuation/symbols (``\\p{P}``, ``\\p{S}``)."""
+def has_nothing_to_read(text: str) -> bool:
+    """True if ``text`` has no letter or digit: it is empty, or only punctuation, symbols (emoji
+    included), marks, spaces or format characters. Upstream drops only ``[\\p{P}\\p{S}]*`` pieces,
+    which lets "!! ??" or "❤️" (a variation selector is a mark) through to the LM."""
     import regex
 
-    return regex.fullmatch(r"[\p{P}\p{S}]*", text) is not None
+    return regex.search(r"[\p{L}\p{N}]", text) is None
 
 
 def log_short_sentences(sentences: Sequence[Sentence], normalized_prompt: str) -> list[Sentence]:

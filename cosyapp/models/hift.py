@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 Generators = Sequence[torch.Generator] | None
@@ -263,6 +264,18 @@ class HiFTGenerator(nn.Module):
         # A plain attribute, not a buffer: checkpoints carry no window and strict loading must not
         # expect one. Moved to the input's device in forward.
         self.stft_window = _periodic_hann(istft_n_fft)
+
+    def fuse_weight_norm(self) -> None:
+        """Store each weight-normed weight as a plain weight, for serving.
+
+        The weight-norm parametrization recomputes g * v / ||v|| at every call of every conv (three
+        extra kernels each, ~60 convs); after this the same values are computed once. The module then
+        no longer loads official checkpoints (their names are the parametrization's), so call it after
+        loading.
+        """
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
     def _window(self, like: Tensor) -> Tensor:
         return self.stft_window.to(device=like.device, dtype=like.dtype)

@@ -20,11 +20,11 @@ import gradio as gr
 import numpy as np
 
 from cosyapp.engine.pipeline import MAX_SEED, BusyError, SynthesisRequest, check_options
-from cosyapp.frontend.audio import VoiceError, load_prompt_audio
+from cosyapp.frontend.audio import PromptAudio, VoiceError, load_prompt_audio
 from cosyapp.frontend.text import TextError
 from cosyapp.service import Service
 from cosyapp.ui.audio import ClipFolder, wav_bytes
-from cosyapp.voices import MAX_PROMPT_TEXT_CHARS, Voice, VoiceInfo, VoiceNotFoundError
+from cosyapp.voices import Voice, VoiceInfo, VoiceNotFoundError, check_prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def user_error(err: Exception) -> gr.Error:
     else:
         message = str(err)
     message = message[:1].upper() + message[1:]
-    return gr.Error(html.escape(message), print_exception=False)
+    # The toast renders HTML; quotes need no escaping in text and would reach API clients as &#x27;.
+    return gr.Error(html.escape(message, quote=False), print_exception=False)
 
 
 def unexpected_error(err: Exception, what: str) -> gr.Error:
@@ -81,6 +82,7 @@ class Handlers:
         self.pipeline = service.pipeline
         self.voices = service.voices
         self.max_chars = service.settings.max_text_chars
+        self.max_upload_mb = service.settings.max_upload_mb
         self.clips = ClipFolder()
         self.batch_sizes = BatchSizes()
 
@@ -93,12 +95,16 @@ class Handlers:
             (RECORDING_LABEL, RECORDING)
         ]
 
+    def recording_audio(self, recording: str) -> PromptAudio:
+        """The validated recording of an upload (at most ``--max-upload-mb``). Raises a VoiceError."""
+        return load_prompt_audio(recording, max_mb=self.max_upload_mb)
+
     def check_recording(self, recording: str | None) -> dict:
         """Validate a new upload or microphone recording and select it as the voice."""
         if recording is None:
             return gr.skip()
         try:
-            load_prompt_audio(recording)
+            self.recording_audio(recording)
         except VoiceError as err:
             raise user_error(err) from err
         return gr.update(value=RECORDING)
@@ -110,7 +116,8 @@ class Handlers:
         if recording is None:
             raise gr.Error("Upload or record a voice prompt first.", print_exception=False)
         try:
-            info = self.voices.save(name, recording, prompt_text, session or None, shared=shared)
+            audio = self.recording_audio(recording)
+            info = self.voices.save(name, audio, prompt_text, session or None, shared=shared)
         except USER_ERRORS as err:
             raise user_error(err) from err
         except Exception as err:
@@ -126,14 +133,9 @@ class Handlers:
             return self.voices.get(voice_id, session or None)
         if recording is None:
             raise ValueError("upload or record a voice prompt, or pick a voice from the list")
-        prompt_text = " ".join((prompt_text or "").split())
-        if not prompt_text:
-            raise ValueError("type what is said in the recording: the model needs its transcript")
-        if len(prompt_text) > MAX_PROMPT_TEXT_CHARS:
-            raise ValueError(
-                f"the transcript has {len(prompt_text)} characters; at most {MAX_PROMPT_TEXT_CHARS}"
-            )
-        features = self.voices.features_of(load_prompt_audio(recording))
+        audio = self.recording_audio(recording)
+        prompt_text = check_prompt_text(prompt_text, audio)
+        features = self.voices.features_of(audio)
         info = VoiceInfo(id=RECORDING, name="your recording", kind="user", shared=False)
         return Voice(info, features, prompt_text=prompt_text)
 
@@ -147,8 +149,11 @@ class Handlers:
         seed: float | None,
         session: str,
         streaming: bool,
+        client: str | None = None,
     ) -> SynthesisRequest:
-        """Check the form and build the request (computes a recording's features: call off the loop)."""
+        """Check the form and build the request (computes a recording's features: call off the loop).
+
+        ``client`` keys fair admission; default: the browser's session id, when it sent one."""
         if not (text or "").strip():
             raise ValueError("type some text to speak")
         if len(text) > self.max_chars:
@@ -157,7 +162,8 @@ class Handlers:
             raise ValueError(f"the seed must be a whole number from 0 to {MAX_SEED}")
         check_options(speed, seed)
         voice = self.voice(voice_id, recording, prompt_text, session)
-        return SynthesisRequest(text, voice, speed=float(speed), seed=int(seed), streaming=streaming)
+        client = client or (f"ui:{session}" if session else None)
+        return SynthesisRequest(text, voice, float(speed), int(seed), streaming, client)
 
     # --- speaking -----------------------------------------------------------------------------
 
@@ -170,12 +176,15 @@ class Handlers:
         speed: float,
         seed: float | None,
         session: str,
+        http: gr.Request,
     ) -> AsyncIterator[tuple]:
         """Stream speech: yields (WAV bytes chunk, stats, skip) per chunk, then (skip, stats, WAV file)."""
         started = time.monotonic()
+        # API callers send no browser session id: their Gradio session keys fair admission instead.
+        client = f"ui:{session or http.session_hash}"
         try:
             request = await asyncio.to_thread(
-                self.request, text, voice_id, recording, prompt_text, speed, seed, session, True
+                self.request, text, voice_id, recording, prompt_text, speed, seed, session, True, client
             )
         except USER_ERRORS as err:
             raise user_error(err) from err

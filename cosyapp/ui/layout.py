@@ -1,7 +1,8 @@
 """The page: ``build_demo(service)`` lays out the Blocks and wires events, queue and live panel.
 
 Queue sizing (one process, one shared Pipeline):
-- streaming: up to ``max_streams`` generators at once (the Pipeline admits as many);
+- streaming: up to ``max_streams + max_waiting`` generators at once, so requests wait in the
+  Pipeline's admission, which shares the streams fairly across sessions (Gradio's queue is FIFO);
 - whole clips: Gradio batches of up to ``CLIP_BATCH`` requests, two batches at once, so a new batch
   gathers while the previous one finishes;
 - voice work (checking uploads, saving voices): ``VOICE_JOBS`` at once;
@@ -22,7 +23,6 @@ from cosyapp.ui.panel import build_panel
 CLIP_BATCH = 16
 CLIP_BATCHES_AT_ONCE = 2
 VOICE_JOBS = 4
-MAX_UPLOAD = "20mb"  # a 30 s prompt is ~5 MB as 44.1 kHz stereo WAV
 EXAMPLES = [
     ["Hello! This is CosyVoice 2, speaking from one shared engine.", "en-espeak-us"],
     ["今天天气真不错，我们一起去公园散步吧。", "zh-aishell-w0121"],
@@ -66,7 +66,12 @@ def browser_secret(data_dir: Path) -> str:
 
 def max_threads(service: Service) -> int:
     """Gradio's cap on jobs running at once (and its thread pool): every slot the queue can fill."""
-    return service.settings.max_streams + CLIP_BATCHES_AT_ONCE + VOICE_JOBS + 8
+    return speak_jobs(service) + CLIP_BATCHES_AT_ONCE + VOICE_JOBS + 8
+
+
+def speak_jobs(service: Service) -> int:
+    """Streaming generators at once: every stream the Pipeline runs or lets wait."""
+    return service.pipeline.max_streams + service.pipeline.max_waiting
 
 
 def build_demo(service: Service) -> gr.Blocks:
@@ -74,7 +79,7 @@ def build_demo(service: Service) -> gr.Blocks:
 
     Also makes sure streaming can find an ffmpeg and starts the live panel's metrics sampler.
     Serve it with ``demo.launch(**launch_options(demo))`` or mount it with
-    ``gr.mount_gradio_app(app, demo, path="/", **mount_options())``.
+    ``gr.mount_gradio_app(app, demo, path="/", **mount_options(demo))``.
     """
     ensure_ffmpeg(service.settings.cache_dir / "bin")
     handlers = Handlers(service)
@@ -174,7 +179,7 @@ def build_demo(service: Service) -> gr.Blocks:
             form,
             [player, stats, download],
             api_name="speak",
-            concurrency_limit=settings.max_streams,
+            concurrency_limit=speak_jobs(service),
             concurrency_id="speak",
         )
         clip = generate_clip.click(
@@ -221,17 +226,28 @@ def build_demo(service: Service) -> gr.Blocks:
         demo.load(open_session, browser, [browser, session, voice], queue=False, api_name=False)
 
     demo.max_threads = max_threads(service)
+    # Read back by mount_options: launch and mount set both from their arguments.
+    demo.max_file_size = settings.max_upload_mb * 2**20
+    demo.auth = [settings.auth] if settings.auth else None
     demo.queue(max_size=max(64, 4 * settings.max_streams), default_concurrency_limit=1)
     assert RECORDING not in {v for _, v in voices[:-1]}, "a library voice id collides with RECORDING"
     return demo
 
 
-def mount_options() -> dict:
-    """Keyword arguments for ``gr.mount_gradio_app`` (theme, CSS, upload limit, no run history)."""
-    return {"theme": THEME, "css": CSS, "max_file_size": MAX_UPLOAD, "run_history": False}
+def mount_options(demo: gr.Blocks) -> dict:
+    """Keyword arguments for ``gr.mount_gradio_app``: theme, CSS, no run history, and the upload limit
+    and login set by build_demo. Gradio refuses a larger upload with HTTP 413 while receiving it.
+    No ``allowed_paths``: Gradio serves only its own upload and cache folders."""
+    return {
+        "theme": THEME,
+        "css": CSS,
+        "run_history": False,
+        "max_file_size": demo.max_file_size,
+        "auth": demo.auth,
+    }
 
 
 def launch_options(demo: gr.Blocks) -> dict:
     """Keyword arguments for ``demo.launch``: ``mount_options`` plus the thread cap set by build_demo
     (launch would otherwise reset it to 40)."""
-    return mount_options() | {"max_threads": demo.max_threads}
+    return mount_options(demo) | {"max_threads": demo.max_threads}

@@ -1,0 +1,167 @@
+"""Benchmark cosyapp: latency and throughput against concurrency, through each way clients reach it,
+beside baselines on the same model, in one run.
+
+    python -m cosyapp.bench --smoke                     # tiny model on CPU, well under a minute
+    python -m cosyapp.bench --full-size --engine vllm --drivers pipeline --texts tokens,short --baselines
+
+Load is reproducible: random weights whose stop tokens are unreachable, so every request decodes a
+known number of speech tokens (see cosyapp/bench/load.py), a fixed prompt voice and fixed seeds.
+Drivers: ``pipeline`` (in-process), ``openai`` (POST /v1/audio/speech) and ``gradio`` (the page's
+endpoints through gradio_client); the HTTP drivers talk to the benchmark's own server on a loopback
+port unless --url names a running one. Prints a row per level and writes JSON plus PNG plots
+(``--out x.json`` -> ``x-latency.png``, ``x-throughput.png``, ``x-stages.png``).
+"""
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from cosyapp.bench.drivers import DRIVERS
+from cosyapp.bench.load import MODEL_RATIO, TEXT_SETS
+from cosyapp.bench.plots import plot_paths, write_plots
+
+MODES = ("stream", "whole")
+SMOKE = {
+    "clients": "1,2",
+    "texts": "short",
+    "modes": "stream,whole",
+    "drivers": ",".join(DRIVERS),
+    "baselines": True,
+    "baseline_clients": 2,
+    "full_size": False,
+    "device": "cpu",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cosyapp.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    smoke = " ".join(
+        f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}")
+        for key, value in SMOKE.items()
+        if value is not False
+    )
+    add("--smoke", action="store_true", help=f"the CI check, a tiny model with: {smoke} (overriding those)")
+    add("--full-size", action="store_true", help="CosyVoice2-0.5B sizes with random weights")
+    add("--engine", default="auto", choices=["auto", "vllm", "torch"])
+    add("--device", default=None, help="torch device (default: cuda when available)")
+    add(
+        "--clients", default="1,4,16,64,256", help="comma-separated concurrency levels (default: %(default)s)"
+    )
+    add("--modes", default="stream,whole", help="stream, whole or both (default: %(default)s)")
+    add(
+        "--texts",
+        default=",".join(TEXT_SETS),
+        help="text sets: tokens (exactly --tokens speech tokens), short, medium, long (~20, ~100, ~400 "
+        "characters) (default: %(default)s)",
+    )
+    add(
+        "--tokens",
+        type=int,
+        default=260,
+        help="speech tokens of the 'tokens' text, 25 per second (default: %(default)s)",
+    )
+    add(
+        "--drivers",
+        default=",".join(DRIVERS),
+        help="pipeline (in-process), openai (HTTP API), gradio (gradio_client) (default: %(default)s)",
+    )
+    add(
+        "--url",
+        default=None,
+        help="a running server for the HTTP drivers, serving this run's model folder (WORKDIR/full-size "
+        "or WORKDIR/tiny); there every text decodes at the model's ratio and engine statistics are "
+        "not available (default: start one in this process)",
+    )
+    add(
+        "--baselines",
+        action="store_true",
+        help="also measure (a) sequential reference serving, (b) token2wav one request at a time, (c) the "
+        "PyTorch LM engine, on the first text, against the pipeline driver at the top concurrency",
+    )
+    add(
+        "--baseline-clients",
+        type=int,
+        default=4,
+        help="clients of baseline (a), which serves one request at a time: its throughput does not depend "
+        "on this, only how long it takes (default: %(default)s)",
+    )
+    add("--max-batch", type=int, default=64, help="largest LM and token2wav batch (default: %(default)s)")
+    add(
+        "--first-hop",
+        type=int,
+        default=25,
+        help="speech tokens of a stream's first chunk (default: %(default)s)",
+    )
+    add("--gpu-memory-utilization", type=float, default=0.3)
+    add(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run the flow estimator eagerly (default: replayed from CUDA graphs on a GPU)",
+    )
+    add("--workdir", default=None, help="where the random model and caches go (default: a new temp folder)")
+    add("--out", type=Path, default=Path("bench.json"), help="result JSON; plots go beside it")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parsed and checked options; exits with a message for a bad combination."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    args.command = shlex.join(["python", "-m", "cosyapp.bench", *argv])
+    try:
+        args.clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        parser.error(f"--clients takes whole numbers separated by commas, got {args.clients!r}")
+    args.modes = [_choice(parser, "--modes", m, MODES) for m in args.modes.split(",")]
+    args.texts = [_choice(parser, "--texts", t, TEXT_SETS) for t in args.texts.split(",")]
+    args.drivers = [_choice(parser, "--drivers", d, DRIVERS) for d in args.drivers.split(",")]
+    if min(args.clients) < 1 or args.baseline_clients < 1:
+        parser.error("client counts must be at least 1")
+    if "tokens" in args.texts and (args.tokens <= 0 or args.tokens % MODEL_RATIO):
+        parser.error(f"--tokens must be a positive multiple of {MODEL_RATIO:g}, got {args.tokens}")
+    if args.baselines and "pipeline" not in args.drivers:
+        parser.error("--baselines compares against the pipeline driver: add pipeline to --drivers")
+    http = [d for d in args.drivers if d != "pipeline"]
+    needed = (["gradio"] if http and not args.url else []) + (["gradio_client"] if "gradio" in http else [])
+    for package in needed + (["httpx"] if http else []):
+        if importlib.util.find_spec(package) is None:
+            parser.error(
+                f"the {', '.join(http)} driver(s) need {package}: install it, or use --drivers pipeline"
+            )
+    return args
+
+
+def _choice(parser: argparse.ArgumentParser, flag: str, value: str, allowed) -> str:
+    if value not in allowed:
+        parser.error(f"{flag}: unknown {value!r}; choose from {', '.join(allowed)}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark of the command line ``argv`` and write its JSON and plots."""
+    from cosyapp.bench.run import run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = asyncio.run(run(args))
+    result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result["plots"] = {name: str(path) for name, path in plot_paths(args.out).items()}
+    args.out.write_text(json.dumps(result, indent=2))  # first, so a failing plot loses no numbers
+    write_plots(result, args.out)
+    print(f"wrote {args.out} and {', '.join(Path(p).name for p in result['plots'].values())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""One level of load: ``clients`` requests at once through a driver, measured on both sides.
+
+The client side (latency, throughput, underruns) comes from the driver's results; the engine side
+(batch sizes, stage times, GPU memory) from the Pipeline's counters, when the Pipeline serving the
+requests is in this process.
+"""
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from cosyapp.bench.load import TextSet
+from cosyapp.bench.stats import (
+    BatchSampler,
+    RequestResult,
+    engine_counters,
+    gpu_memory,
+    reset_gpu_peak,
+    stage_times,
+    summarize,
+)
+from cosyapp.engine.pipeline import Pipeline
+
+FIRST_SEED = 1000  # request i of every level uses seed FIRST_SEED + i
+# What only an in-process Pipeline can tell (None for an external server).
+ENGINE_FIELDS = (
+    "batch_samples",
+    "batch_hist",
+    "lm_max_batch",
+    "flow_max_batch",
+    "hift_max_batch",
+    "stages",
+    "gpu_peak_allocated_gb",
+    "gpu_device_used_gb",
+)
+
+
+class Driver(Protocol):
+    """What every driver in drivers.py offers."""
+
+    name: str
+
+    async def prepare(self, clients: int) -> None:
+        """Set up what ``clients`` concurrent requests need (not timed)."""
+
+    async def send(
+        self, text: str, streaming: bool, seeds: list[int], on_done: Callable[[], None]
+    ) -> list[RequestResult]:
+        """One request per seed, all at once; ``on_done`` is called as each ends."""
+
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+
+async def measure(
+    driver: Driver,
+    text: TextSet,
+    streaming: bool,
+    clients: int,
+    pipeline: Pipeline | None,
+    on_done: Callable[[], None] = lambda: None,
+) -> dict:
+    """Send ``clients`` requests of ``text`` at once; returns the level's summary.
+
+    ``pipeline``: the Pipeline that serves the requests, when it runs in this process (its batch-size
+    histograms, stage times and GPU memory are added); None for an external server.
+    """
+    await driver.prepare(clients)
+    seeds = [FIRST_SEED + i for i in range(clients)]
+    level = {"driver": driver.name, "text": text.name, "streaming": streaming, "clients": clients}
+    if pipeline is None:
+        start = time.perf_counter()
+        results = await driver.send(text.text, streaming, seeds, on_done)
+        return level | summarize(results, time.perf_counter() - start) | dict.fromkeys(ENGINE_FIELDS)
+    sampler = BatchSampler(pipeline)
+    before = engine_counters(pipeline)
+    reset_gpu_peak()
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        results = await driver.send(text.text, streaming, seeds, on_done)
+    finally:
+        wall = time.perf_counter() - start
+        await sampler.stop()
+    stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
+    return level | summarize(results, wall) | sampler.report() | stages | gpu_memory()

@@ -1,0 +1,175 @@
+"""A whole benchmark run: model, engines, server, every level, the baselines; returns the result."""
+
+import argparse
+import itertools
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cosyapp.bench import baselines as base
+from cosyapp.bench.drivers import GradioDriver, OpenAIDriver, PipelineDriver
+from cosyapp.bench.levels import Driver, measure
+from cosyapp.bench.load import (
+    VOICE_ID,
+    TextSet,
+    bench_voice,
+    decoding_ratio,
+    prepare_model,
+    text_sets,
+    write_speaker,
+)
+from cosyapp.bench.report import hardware, now, row, versions
+from cosyapp.bench.serving import check_external, own_server
+from cosyapp.engine.build import EngineOptions, build_pipeline, choose_engine
+from cosyapp.engine.pipeline import Pipeline
+from cosyapp.models.checkpoint import load_model, pick_device
+
+
+async def run(args: argparse.Namespace) -> dict:
+    """Measure every (text, driver, mode, clients) setting of ``args``, then the baselines; returns
+    the result (everything but the plots)."""
+    device = pick_device(args.device)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cosyapp-bench-"))
+    folder = prepare_model(workdir / ("full-size" if args.full_size else "tiny"), args.full_size, device)
+    options = EngineOptions(
+        engine=args.engine,
+        cache_dir=workdir / "cache",
+        max_streams=max(args.clients),
+        max_batch=args.max_batch,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=device.type == "cpu",
+        first_hop=args.first_hop,
+        cuda_graphs=args.cuda_graphs,
+    )
+    pipeline = build_pipeline(load_model(folder, device=str(device)), options)
+    write_speaker(folder, pipeline.text)
+    # Another process's model cannot be told a decoding ratio: against --url every text decodes at the
+    # model's own.
+    texts = text_sets(args.texts, pipeline.text, args.tokens, realistic_ratio=not args.url)
+    http = [name for name in args.drivers if name != "pipeline"]
+    if http and args.url:
+        check_external(args.url, VOICE_ID)
+    # An external server serves with its own engines: start ours only where something uses them.
+    local = "pipeline" in args.drivers or args.baselines or bool(http and not args.url)
+    startup = None
+    async with AsyncExitStack() as stack:
+        if local:
+            started = time.perf_counter()
+            await pipeline.start(warm_up=device.type != "cpu")
+            startup = time.perf_counter() - started
+            stack.push_async_callback(pipeline.shutdown)
+        url = args.url
+        if http and not url:
+            engine = choose_engine(args.engine, device)
+            url = await stack.enter_async_context(own_server(pipeline, folder, workdir, engine))
+        drivers = _drivers(args.drivers, pipeline, url)
+        for driver in drivers:
+            stack.push_async_callback(driver.close)
+        levels, baselines = await _measure_all(args, pipeline, local, drivers, texts)
+    reference = None
+    if baselines:
+        reference = _reference(levels, texts[0].name, max(args.clients))
+        base.add_ratios(baselines, reference)
+        for name, result in baselines.items():
+            if "cosyapp_throughput_ratio" in result:
+                print(
+                    f"{name}: {result['audio_per_wall_s']:.1f} audio s/s at {result['clients']} clients; "
+                    f"cosyapp is {result['cosyapp_throughput_ratio']:.1f}x",
+                    flush=True,
+                )
+    return {
+        "date": now(),
+        "hardware": hardware(device),
+        "versions": versions(),
+        "command": args.command,
+        "options": {key: value for key, value in vars(args).items() if key != "command"},
+        "engine_options": {key: str(value) for key, value in asdict(options).items()},
+        "engine": type(pipeline.lm).__name__,
+        "model": "CosyVoice2-0.5B sizes, random weights" if args.full_size else "tiny random model",
+        "server": args.url or ("own server, this process" if http else None),
+        "voice": VOICE_ID,
+        "startup_s": startup,
+        "texts": {text.name: text.describe(pipeline.text) for text in texts},
+        "levels": levels,
+        "baselines_text": texts[0].name if baselines else None,
+        "baselines_reference": reference
+        and {k: reference[k] for k in ("driver", "text", "streaming", "clients")},
+        "baselines": baselines,
+    }
+
+
+async def _measure_all(
+    args: argparse.Namespace, pipeline: Pipeline, local: bool, drivers: list[Driver], texts: list[TextSet]
+) -> tuple[list[dict], dict[str, dict]]:
+    """Warm up, then every level in order, then the baselines; prints a row per level.
+
+    ``local``: whether ``pipeline`` serves (the pipeline driver, the own server) rather than a server
+    in another process.
+    """
+    settings = list(itertools.product(texts, drivers, args.modes, args.clients))
+    total = sum(clients for *_, clients in settings)
+    if args.baselines:
+        total += base.requests(pipeline, args.baseline_clients, max(args.clients))
+    levels, baselines = [], {}
+    with tqdm(total=total, unit="req", desc="warm-up", disable=None) as progress:
+        with decoding_ratio(pipeline.model, texts[0].ratio):
+            await _warm_up(drivers, texts[0], args, pipeline if local else None)
+        for text, driver, mode, clients in settings:
+            progress.set_description(f"{driver.name} {text.name} {mode} x{clients}")
+            served_here = pipeline if driver.name == "pipeline" or not args.url else None
+            with decoding_ratio(pipeline.model, text.ratio):
+                level = await measure(driver, text, mode == "stream", clients, served_here, progress.update)
+            levels.append(level)
+            progress.write(row(level))
+        if args.baselines:
+            progress.set_description("baselines")
+            baselines = await _baselines(pipeline, texts[0], args, progress.update)
+    return levels, baselines
+
+
+def _drivers(names: list[str], pipeline: Pipeline, url: str | None) -> list[Driver]:
+    made = {
+        "pipeline": lambda: PipelineDriver(pipeline, bench_voice(pipeline.text)),
+        "openai": lambda: OpenAIDriver(url, VOICE_ID, pipeline.sample_rate),
+        "gradio": lambda: GradioDriver(url, VOICE_ID),
+    }
+    return [made[name]() for name in names]
+
+
+async def _warm_up(
+    drivers: list[Driver], text: TextSet, args: argparse.Namespace, local: Pipeline | None
+) -> None:
+    """Not measured: a streaming level of the local engines at the largest batch they will run, then one
+    request of each HTTP driver and mode (first calls pay for connections, ffmpeg, queue set-up)."""
+    if local is not None:
+        warm = PipelineDriver(local, bench_voice(local.text))
+        await measure(warm, text, True, min(max(args.clients), args.max_batch), None)
+    for driver in drivers:
+        if driver.name != "pipeline":
+            for mode in args.modes:
+                await measure(driver, text, mode == "stream", 1, None)
+
+
+async def _baselines(pipeline: Pipeline, text: TextSet, args: argparse.Namespace, on_done) -> dict[str, dict]:
+    voice = bench_voice(pipeline.text)
+    top = max(args.clients)
+    with decoding_ratio(pipeline.model, text.ratio):
+        return {
+            "a_sequential_reference": await base.sequential_reference(
+                pipeline, voice, text, args.baseline_clients, on_done
+            ),
+            "b_engine_lm_serial_token2wav": await base.serial_token2wav(pipeline, voice, text, top, on_done),
+            "c_torch_engine": await base.torch_engine(pipeline, voice, text, top, args.max_batch, on_done),
+        }
+
+
+def _reference(levels: list[dict], text: str, clients: int) -> dict:
+    """(d): the pipeline driver's level of ``text`` at ``clients``, streaming when measured."""
+    candidates = [
+        lv for lv in levels if (lv["driver"], lv["text"], lv["clients"]) == ("pipeline", text, clients)
+    ]
+    return max(candidates, key=lambda lv: lv["streaming"])

@@ -1,0 +1,176 @@
+"""What a level measures: per-request timings, their summary, and the engines' own statistics."""
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from cosyapp.engine.lm import LMStats
+from cosyapp.engine.metrics import percentile
+from cosyapp.engine.pipeline import Pipeline
+from cosyapp.engine.token2wav import Token2WavStats
+
+STAGES = ("lm", "flow", "hift")
+
+
+@dataclass
+class RequestResult:
+    """One request as its client saw it. ``chunks``: (seconds after sending, audio seconds) of each
+    piece of audio received, in order; ``total``: seconds until the response ended."""
+
+    chunks: list[tuple[float, float]] = field(default_factory=list)
+    total: float | None = None
+    error: str | None = None
+
+    @property
+    def ttfa(self) -> float | None:
+        return self.chunks[0][0] if self.chunks else None
+
+    @property
+    def audio_s(self) -> float:
+        return sum(seconds for _, seconds in self.chunks)
+
+
+def playback_underruns(chunks: list[tuple[float, float]]) -> tuple[int, float]:
+    """(underrun events, stall seconds) of a player that starts at the first chunk and, whenever the
+    next chunk arrives after the audio delivered so far has finished playing, waits for it."""
+    events, stall = 0, 0.0
+    ends = None  # when the audio delivered so far finishes playing
+    for arrival, seconds in chunks:
+        if ends is None:
+            ends = arrival
+        elif arrival > ends:
+            events += 1
+            stall += arrival - ends
+            ends = arrival
+        ends += seconds
+    return events, stall
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    """Latency percentiles, throughput and playback underruns of a level's requests (failed requests
+    are counted, and their distinct messages kept, but not measured)."""
+    done = [r for r in results if r.error is None]
+    ttfa = [r.ttfa for r in done if r.ttfa is not None]
+    total = [r.total for r in done]
+    rtf = [r.total / r.audio_s for r in done if r.audio_s]
+    audio = sum(r.audio_s for r in done)
+    underruns = [playback_underruns(r.chunks) for r in done]
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error is not None}),
+        "wall_s": wall,
+        "audio_s": audio,
+        **{f"ttfa_p{q}": percentile(ttfa, q / 100) for q in (50, 90, 99)},
+        **{f"total_p{q}": percentile(total, q / 100) for q in (50, 90, 99)},
+        "rtf_aggregate": wall / audio if audio else None,
+        "rtf_p50": percentile(rtf, 0.5),
+        "requests_per_s": len(done) / wall,
+        "audio_per_wall_s": audio / wall,
+        "underrun_events": sum(events for events, _ in underruns),
+        "streams_with_underruns": sum(1 for events, _ in underruns if events),
+        "stall_s_total": sum(stall for _, stall in underruns),
+    }
+
+
+class BatchSampler:
+    """Samples the engines' batch sizes every ``period`` seconds while a level runs.
+
+    A poll adds a sample for a stage only when that engine progressed since the previous poll (a
+    decode step, a flow call, a HiFT call), so idle time and an earlier level's last batch add none.
+    Samples are not calls: a poll sees only the latest of the calls made since the previous one.
+    """
+
+    def __init__(self, pipeline: Pipeline, period: float = 0.002):
+        self.pipeline = pipeline
+        self.period = period
+        self.samples: dict[str, list[int]] = {stage: [] for stage in STAGES}
+        self._last = engine_counters(pipeline)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop polling; a last poll records what happened since the one before."""
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._poll()
+
+    def report(self) -> dict:
+        """Histograms {size: samples} per stage, sample counts and the largest size seen."""
+        return {
+            "batch_samples": {stage: len(sizes) for stage, sizes in self.samples.items()},
+            "batch_hist": {
+                stage: {str(size): n for size, n in sorted(Counter(sizes).items())}
+                for stage, sizes in self.samples.items()
+            },
+            **{f"{stage}_max_batch": max(sizes, default=0) for stage, sizes in self.samples.items()},
+        }
+
+    def _poll(self) -> None:
+        (lm0, t2w0), (lm, t2w) = self._last, engine_counters(self.pipeline)
+        # A step cannot be larger than the requests running; this also drops a size left over from
+        # before the level (a first token comes from a prefill, which reports no size, and vLLM
+        # reports its scheduler's sizes with a delay).
+        if lm.tokens_generated > lm0.tokens_generated and lm.running:
+            self.samples["lm"].append(min(lm.last_batch_size, lm.running))
+        if t2w.flow_calls > t2w0.flow_calls:
+            self.samples["flow"].append(t2w.last_flow_batch)
+        if t2w.hift_calls > t2w0.hift_calls:
+            self.samples["hift"].append(t2w.last_hift_batch)
+        self._last = (lm, t2w)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self._poll()
+
+
+def engine_counters(pipeline: Pipeline) -> tuple[LMStats, Token2WavStats]:
+    """The LM engine's and the token2wav worker's counters now."""
+    return pipeline.lm.stats(), pipeline.token2wav.stats()
+
+
+def stage_times(
+    before: tuple[LMStats, Token2WavStats], after: tuple[LMStats, Token2WavStats], wall: float
+) -> dict:
+    """Work of each stage between two reads of the engines' counters.
+
+    The token2wav worker times its flow and HiFT calls (device work included); the LM engines count
+    tokens but do not time their steps, so the LM is given as tokens and tokens per second.
+    """
+    (lm0, t2w0), (lm1, t2w1) = before, after
+    flow_calls, hift_calls = t2w1.flow_calls - t2w0.flow_calls, t2w1.hift_calls - t2w0.hift_calls
+    flow_s, hift_s = t2w1.flow_seconds - t2w0.flow_seconds, t2w1.hift_seconds - t2w0.hift_seconds
+    tokens = lm1.tokens_generated - lm0.tokens_generated
+    return {
+        "lm_tokens": tokens,
+        "lm_tokens_per_s": tokens / wall,
+        "flow_calls": flow_calls,
+        "flow_s": flow_s,
+        "flow_ms_per_call": 1000 * flow_s / flow_calls if flow_calls else None,
+        "hift_calls": hift_calls,
+        "hift_s": hift_s,
+        "hift_ms_per_call": 1000 * hift_s / hift_calls if hift_calls else None,
+    }
+
+
+def reset_gpu_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_memory() -> dict:
+    """This process's peak allocation since ``reset_gpu_peak`` (flow, HiFT, a PyTorch LM) and the
+    memory used on the whole device now (vLLM's engine process and its KV cache included)."""
+    if not torch.cuda.is_available():
+        return {"gpu_peak_allocated_gb": None, "gpu_device_used_gb": None}
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_device_used_gb": (total - free) / 2**30,
+    }
