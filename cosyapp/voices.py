@@ -9,6 +9,7 @@ survive restarts and are private to the session that saved them unless saved as 
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 import unicodedata
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only 
 log = logging.getLogger(__name__)
 ASSETS_VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
 MAX_NAME_CHARS = 60
+MAX_CACHED_FEATURES = 512  # feature files of recordings kept on disk (~50 KB each); saved voices' stay
 MAX_PROMPT_TEXT_CHARS = 500
 # Syllables per second a transcript may claim for its recording; real prompts read 3-4 (built-in
 # voices), so only a transcript of another recording, or none, falls outside.
@@ -138,8 +140,10 @@ class VoiceLibrary:
         frontend: "VoiceFrontend",
         assets_dir: Path = ASSETS_VOICES,
         spk2info: Path | None = None,
+        max_cached_features: int = MAX_CACHED_FEATURES,
     ):
         self.frontend = frontend
+        self.max_cached_features = max_cached_features
         self.features_dir = data_dir / "features"
         self.user_dir = data_dir / "voices"
         self.features_dir.mkdir(parents=True, exist_ok=True)
@@ -154,11 +158,28 @@ class VoiceLibrary:
         path = self.features_dir / f"{audio_hash(audio)}.safetensors"
         with self._lock:
             if path.is_file():
+                os.utime(path)  # recently used: evicted last
                 return VoiceFeatures.load(path)
             features = self.frontend.features(audio)
             features.save(path)
             self.features_computed += 1
+            self._evict_features()
             return features
+
+    def _evict_features(self) -> None:
+        """Keep at most ``max_cached_features`` feature files, dropping the least recently used ones
+        that no saved voice needs, so unsaved recordings cannot fill the disk."""
+        files = sorted(self.features_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        excess = len(files) - self.max_cached_features
+        if excess <= 0:
+            return
+        saved = {meta["features"] for meta in self._user_metas()}
+        for path in files[:-1]:  # never the file just written
+            if excess <= 0:
+                break
+            if path.stem not in saved:
+                path.unlink(missing_ok=True)
+                excess -= 1
 
     def list_voices(self, session: str | None = None) -> list[VoiceInfo]:
         """Built-in voices, model speakers, shared user voices, and ``session``'s private voices."""

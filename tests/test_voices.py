@@ -48,6 +48,20 @@ def test_same_recording_is_featurised_once_even_after_a_restart(tmp_path, fronte
     assert torch.equal(again.features.speech_tokens, first.features.speech_tokens)
 
 
+def test_the_feature_cache_keeps_the_most_recent_recordings_and_every_saved_voice(tmp_path, frontend):
+    library = VoiceLibrary(tmp_path / "data", frontend, max_cached_features=2)
+    saved = library.save("kept", str(AISHELL), AISHELL_TEXT, session="a")
+    for voice_id in ("zh-aishell-w0122", "en-espeak-us", "en-espeak-gb"):
+        library.get(voice_id)
+    cached = {p.stem for p in library.features_dir.glob("*.safetensors")}
+    assert len(cached) == 2  # the saved voice's features and the latest recording's
+    assert library.get(saved.id, "a").prompt_text == AISHELL_TEXT
+    computed = library.features_computed
+    library.get("en-espeak-gb")  # still cached
+    library.get("zh-aishell-w0122")  # evicted: computed again
+    assert library.features_computed == computed + 1
+
+
 def test_private_voice_is_visible_only_to_its_session_and_survives_restart(tmp_path, frontend):
     library = VoiceLibrary(tmp_path / "data", frontend)
     info = library.save("Alice", str(AISHELL), AISHELL_TEXT, session="session-a")
