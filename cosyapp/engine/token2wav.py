@@ -16,9 +16,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,14 +29,13 @@ from cosyapp.engine.chunking import (
     MEL_CACHE_FRAMES,
     PRE_LOOKAHEAD,
     ChunkSchedule,
-    HiFTOverlap,
     StreamingSpeedChange,
 )
+from cosyapp.engine.jobs import Job, StreamState, deliver, failing, retry_in_halves, rounds
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")  # a batch item: a Job for the flow, (Job, HiFT input mel) for HiFT
 
 
 @dataclass
@@ -55,32 +53,6 @@ class Token2WavStats:
     flow_seconds: float = 0.0  # wall time of flow calls, device work included
     hift_calls: int = 0
     hift_seconds: float = 0.0
-
-
-@dataclass
-class StreamState:
-    """One stream's conditioning and vocoder state. The worker thread alone touches the caches."""
-
-    prompt: PromptInputs  # on the model's device
-    speed: float
-    generator: torch.Generator  # HiFT source noise of this stream only
-    resampler: StreamingSpeedChange | None  # streaming speed change; None in non-streaming mode
-    overlap: HiFTOverlap = field(default_factory=HiFTOverlap)
-    closed: bool = False  # set when the consumer goes away or a job failed: drop its work
-
-
-@dataclass
-class Job:
-    """One flow + HiFT call of one stream; the mel kept starts at token `offset`."""
-
-    state: StreamState
-    tokens: Tensor  # (n,) long: every token from the start, plus the lookahead in a chunk call
-    offset: int
-    streaming: bool  # chunk masks in the flow
-    finalize: bool  # full sequence, no lookahead; also the stream's last job
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    mel: Tensor | None = field(default=None, repr=False)  # the flow's new frames (80, n)
 
 
 class Token2Wav:
@@ -147,7 +119,7 @@ class Token2Wav:
             while not self._queue.empty():
                 job = self._queue.get_nowait()
                 if job is not None:
-                    _deliver(job, error=RuntimeError("the token2wav worker was stopped"))
+                    deliver(job, error=RuntimeError("the token2wav worker was stopped"))
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
@@ -206,7 +178,7 @@ class Token2Wav:
                 live = [job for job in jobs if not job.state.closed]
                 self._stats.jobs_dropped += len(jobs) - len(live)
                 self._flow(live)
-                for jobs_round in _rounds(live):
+                for jobs_round in rounds(live):
                     # A failed job closes its stream: its later chunks are skipped.
                     self._vocode([job for job in jobs_round if not job.state.closed])
 
@@ -234,7 +206,7 @@ class Token2Wav:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
         for (streaming, finalize), group in groups.items():
             flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
-            _retry_in_halves(group, flow, lambda batch: batch, "flow")
+            retry_in_halves(group, flow, lambda batch: batch, "flow")
 
     def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
         """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
@@ -278,12 +250,12 @@ class Token2Wav:
         """
         groups: dict[tuple[int, bool], list[tuple[Job, Tensor]]] = {}
         for job in jobs:
-            with _failing([job], "speed change"):
+            with failing([job], "speed change"):
                 mel = _hift_input(job)
                 has_cache = job.state.overlap.source is not None
                 groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
         for group in groups.values():
-            _retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
+            retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
 
     def _vocode_group(self, group: list[tuple[Job, Tensor]]) -> None:
         """One HiFT call for the group, then each job's cross-fade and delivery.
@@ -302,10 +274,10 @@ class Token2Wav:
         self._stats.hift_calls += 1
         self._stats.hift_seconds += time.perf_counter() - started
         for i, (job, mel) in enumerate(group):
-            with _failing([job], "cross-fade"):
+            with failing([job], "cross-fade"):
                 audio = job.state.overlap.finish(mel, speech[i], source[i], final=job.finalize)
                 self._stats.jobs_done += 1
-                _deliver(job, audio=audio.numpy().copy())
+                deliver(job, audio=audio.numpy().copy())
 
     def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
         """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
@@ -319,57 +291,6 @@ class Token2Wav:
         self._stats.last_hift_batch = len(group)
         self._stats.max_hift_batch = max(self._stats.max_hift_batch, len(group))
         return speech.cpu(), source
-
-
-@contextlib.contextmanager
-def _failing(jobs: list[Job], what: str) -> Iterator[None]:
-    """Turn an error in the block into the result of `jobs` (closing their streams), so it ends only
-    the streams involved and the worker keeps serving the others."""
-    try:
-        yield
-    except Exception as error:
-        logger.exception("token2wav %s failed for %d jobs", what, len(jobs))
-        for job in jobs:
-            _deliver(job, error=error)
-
-
-def _retry_in_halves(
-    batch: list[T], run: Callable[[list[T]], None], jobs_of: Callable[[list[T]], list[Job]], what: str
-) -> None:
-    """``run(batch)``; when it runs out of device memory, run each half on its own, and so on down to
-    single items: only an item that fails alone, or a batch that fails otherwise, gets the error.
-
-    One stream's oversized chunk then costs the others a slower step, not their audio.
-    """
-    try:
-        run(batch)
-    except torch.OutOfMemoryError as error:
-        if len(batch) == 1:
-            logger.error("token2wav %s ran out of memory for a single job", what)
-            _deliver(jobs_of(batch)[0], error=error)
-            return
-        logger.warning("token2wav %s ran out of memory for %d jobs; retrying in halves", what, len(batch))
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # hand the failed call's blocks back before the smaller calls
-        half = len(batch) // 2
-        _retry_in_halves(batch[:half], run, jobs_of, what)
-        _retry_in_halves(batch[half:], run, jobs_of, what)
-    except Exception as error:
-        logger.exception("token2wav %s failed for %d jobs", what, len(batch))
-        for job in jobs_of(batch):
-            _deliver(job, error=error)
-
-
-def _rounds(jobs: list[Job]) -> Iterator[list[Job]]:
-    """Jobs in rounds holding at most one job per stream, each stream's jobs in submission order.
-
-    A stream's chunk k + 1 needs the HiFT caches of chunk k; different streams are independent.
-    """
-    per_stream: dict[int, list[Job]] = {}
-    for job in jobs:
-        per_stream.setdefault(id(job.state), []).append(job)
-    for k in range(max(map(len, per_stream.values()), default=0)):
-        yield [stream_jobs[k] for stream_jobs in per_stream.values() if len(stream_jobs) > k]
 
 
 def _hift_input(job: Job) -> Tensor:
@@ -387,23 +308,6 @@ def _hift_input(job: Job) -> Tensor:
     elif state.speed != 1.0:
         mel = F.interpolate(mel[None], size=int(mel.shape[1] / state.speed), mode="linear")[0]
     return state.overlap.mel_input(mel)
-
-
-def _deliver(job: Job, audio: np.ndarray | None = None, error: BaseException | None = None) -> None:
-    """Hand a result to the stream's event loop (from any thread); a failed stream is closed."""
-    if error is not None:
-        job.state.closed = True
-    if not job.loop.is_closed():
-        job.loop.call_soon_threadsafe(_resolve, job.future, audio, error)
-
-
-def _resolve(future: asyncio.Future, audio: np.ndarray | None, error: BaseException | None) -> None:
-    if future.done():  # cancelled by a consumer that went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(audio)
 
 
 class Token2WavStream:
