@@ -1,12 +1,17 @@
 """The soak test in its short form: the app on loopback, a few clients mixing good and bad requests
 for 30 s (``python -m cosyapp.soak`` runs the long form)."""
 
+import io
 import json
 import os
+import wave
+
+import numpy as np
+import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from cosyapp.soak import KINDS, main, run_soak  # noqa: E402
+from cosyapp.soak import KINDS, Tally, WrongAnswer, main, run_soak  # noqa: E402
 
 
 def test_a_short_soak_answers_every_request_correctly(tmp_path):
@@ -33,3 +38,23 @@ def test_the_soak_command_refuses_a_nonsense_duration(capsys):
     except SystemExit as exit:
         assert exit.code == 2
     assert "must be positive" in capsys.readouterr().err
+
+
+def _wav(samples: list[int]) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(24000)
+        writer.writeframes(np.array(samples, dtype="<i2").tobytes())
+    return buffer.getvalue()
+
+
+def test_answers_to_one_request_may_differ_by_float_rounding_but_not_more():
+    tally = Tally()
+    tally.same_clip(("Hi.", 1), _wav([0, 100, -200, 300]))
+    tally.same_clip(("Hi.", 1), _wav([1, 98, -200, 301]))  # batched differently: last-bit rounding
+    with pytest.raises(WrongAnswer, match="by 3 steps"):
+        tally.same_clip(("Hi.", 1), _wav([0, 103, -200, 300]))
+    with pytest.raises(WrongAnswer, match="gave 3 samples"):
+        tally.same_clip(("Hi.", 1), _wav([0, 100, -200]))
