@@ -23,7 +23,7 @@ from cosyapp.engine.pipeline import MAX_SEED, BusyError, SynthesisRequest, check
 from cosyapp.frontend.audio import PromptAudio, VoiceError, load_prompt_audio
 from cosyapp.frontend.text import TextError
 from cosyapp.service import Service
-from cosyapp.ui.audio import ClipFolder, wav_bytes
+from cosyapp.ui.audio import ClipFolder, to_int16, wav_bytes
 from cosyapp.voices import Voice, VoiceInfo, VoiceNotFoundError, check_prompt_text
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,9 @@ class Handlers:
                 continue
             rate, clip = outcome
             path = str(await asyncio.to_thread(self.clips.write, clip, rate))
-            players.append(path)
+            # Samples, not the file: Gradio probes a returned audio file with ffprobe, which many
+            # machines lack (imageio-ffmpeg brings ffmpeg only); 16-bit samples are stored unchanged.
+            players.append((rate, to_int16(clip)))
             stats.append(request_stats(len(clip), rate, elapsed, batch=size))
             files.append(path)
         return [players, stats, files]

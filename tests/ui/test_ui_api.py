@@ -5,6 +5,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import imageio_ffmpeg
 import numpy as np
 import pytest
 import soundfile as sf
@@ -113,3 +114,14 @@ def test_a_recording_can_be_used_without_saving_it(client, ui, recording):
     )
     assert len(clip_of(ui, file)) == reported_samples(stats) > 0
     assert ui.service.voices.list_voices(None) == before
+
+
+def test_whole_clips_play_on_a_machine_without_ffprobe(client, ui, monkeypatch, tmp_path):
+    """Gradio probes audio files it is handed with ffprobe and fails when it is missing (only ffmpeg
+    comes with imageio-ffmpeg); the player gets samples instead of a file, which it never probes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ffmpeg").symlink_to(imageio_ffmpeg.get_ffmpeg_exe())
+    monkeypatch.setenv("PATH", str(bin_dir))
+    _, stats, file = client.predict(*form(seed=6), api_name="/speak_clip")
+    assert len(clip_of(ui, file)) == reported_samples(stats) > 0
