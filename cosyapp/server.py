@@ -12,9 +12,12 @@ the lifespan.
 
 import asyncio
 import logging
+import socket
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,3 +356,28 @@ def launch_shared(service: Service, host: str, port: int) -> None:
         demo.close()
         return
     demo.block_thread()
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a thread, lifespan included, on a free loopback port; yields its
+    base URL and stops it on exit (the soak test and the tests drive the real server this way).
+    Raises RuntimeError if the server does not start within ``start_timeout_s``."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import random
-import socket
 import tempfile
 import threading
 import time
@@ -194,10 +193,8 @@ def sample_rss(stop: threading.Event, samples: list[tuple[float, int]], started:
 @contextmanager
 def serving_app(home: Path, max_streams: int) -> Iterator[str]:
     """The app (tiny demo model, PyTorch LM engine, CPU) under uvicorn on a free loopback port."""
-    import uvicorn
-
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from cosyapp.server import build_app
+    from cosyapp.server import build_app, serve_in_thread
     from cosyapp.service import build_service
     from cosyapp.settings import Settings
 
@@ -210,21 +207,8 @@ def serving_app(home: Path, max_streams: int) -> Iterator[str]:
         cache_dir=home / "cache",
         data_dir=home / "data",
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(build_service(settings)), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
+    with serve_in_thread(build_app(build_service(settings))) as base:
+        yield base
 
 
 def run_soak(

@@ -7,22 +7,18 @@ real clients. One server serves most tests; the busy and lifecycle tests get the
 import asyncio
 import io
 import os
-import socket
 import struct
-import threading
 import time
 import wave
-from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
-from cosyapp.server import EngineStart, build_app  # noqa: E402
+from cosyapp.server import EngineStart, build_app, serve_in_thread  # noqa: E402
 from cosyapp.service import build_service  # noqa: E402
 from cosyapp.settings import Settings  # noqa: E402
 
@@ -32,24 +28,7 @@ LONG = "Hello there. How are you today? Fine thanks."
 SAMPLES_PER_TOKEN = 480  # 24 kHz / 25 Hz tokens / 2: audio always comes in whole token hops
 
 
-@contextmanager
-def serving(app):
-    """Run ``app`` under uvicorn in a thread (lifespan included); yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
+serving = serve_in_thread  # the other server tests import it from here
 
 
 def make_service(tmp_path_factory, **overrides):
