@@ -254,9 +254,11 @@ def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
     assert after["tasks"] == before["tasks"]
     assert after["threads"] == before["threads"]
     assert after["fds"] <= before["fds"] + 2
-    # RSS swings by up to ~180 MB from one wave to the next (allocator caches); a leak would also
-    # raise the peaks: the last waves' peak stays within 100 MB of the first waves' peak.
-    assert max(rss[-3:]) - max(rss[:3]) < 100_000
+    # RSS moves in steps as the allocator grows its pools (one step of ~150 MB, then flat, seen in
+    # CI); a leak raises it wave after wave. So at most two of the waves may set a new high by more
+    # than 30 MB (a leak of 300 KB per stream would do it in every wave).
+    new_highs = [b - max(rss[: i + 1]) for i, b in enumerate(rss[1:])]
+    assert sum(high > 30_000 for high in new_highs) <= 2, rss
 
 
 def test_clients_leaving_http_streams_midway_free_everything(tmp_path_factory):
