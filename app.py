@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # read when gradio is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from cosyapp.server import build_app, launch_shared
     from cosyapp.service import build_service
+    from cosyapp.web.server import build_app, launch_shared
 
     service = build_service(settings)
     if service.demo_reason:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from cosyapp.engine.build import EngineOptions, build_pipeline
 from cosyapp.engine.pipeline import Pipeline
+from cosyapp.frontend.voices import VoiceLibrary
 from cosyapp.models.checkpoint import ModelFolderError, load_model, resolve_model_dir
 from cosyapp.settings import DEFAULT_REPO, Settings
-from cosyapp.voices import VoiceLibrary
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Service:
 
 def demo_model(settings: Settings) -> Path:
     """The tiny random-weight model, written once under the cache folder."""
-    from cosyapp.models.tiny import write_tiny_model
+    from cosyapp.modelgen.tiny import write_tiny_model
 
     folder = settings.cache_dir / "tiny-model"
     if not (folder / "speech_tokenizer_v2.onnx").is_file():

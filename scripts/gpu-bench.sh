@@ -11,7 +11,7 @@ if [ -d .gpu-wheels ]; then python -m pip install -q --no-deps --upgrade --targe
 # vLLM finds out-of-tree models through an installed distribution's entry point.
 mkdir -p /tmp/site/cosyapp_plugin-0.dist-info
 printf 'Metadata-Version: 2.1\nName: cosyapp-plugin\nVersion: 0\n' > /tmp/site/cosyapp_plugin-0.dist-info/METADATA
-printf '[vllm.general_plugins]\ncosyapp = cosyapp.engine.vllm_model:register\n' \
+printf '[vllm.general_plugins]\ncosyapp = cosyapp.engine.lm.vllm_model:register\n' \
     > /tmp/site/cosyapp_plugin-0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_CONFIGURE_LOGGING=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from cosyapp.engine.graphs import GraphedEstimator
+from cosyapp.engine.token2wav.graphs import GraphedEstimator
 from cosyapp.models.flow import CausalMaskedDiffWithXvec
 from cosyapp.models.hift import HiFTGenerator
 

@@ -38,7 +38,7 @@ def manifest():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random-weight model folder in the official layout, written once per test session."""
-    from cosyapp.models.tiny import write_tiny_model
+    from cosyapp.modelgen.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

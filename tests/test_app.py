@@ -123,7 +123,7 @@ def test_settings_read_the_environment(monkeypatch, tmp_path):
 
 
 def test_first_hop_reaches_the_engine_and_stays_in_the_range_every_speed_can_stream(monkeypatch, capsys):
-    from cosyapp.engine.chunking import MAX_HOP
+    from cosyapp.engine.token2wav.chunking import MAX_HOP
     from cosyapp.settings import MAX_FIRST_HOP, MIN_FIRST_HOP, parse_settings
 
     assert MAX_FIRST_HOP == MAX_HOP
@@ -139,7 +139,7 @@ def test_the_lowest_first_hop_streams_at_the_highest_speed_and_one_less_cannot(t
     import torch
 
     from cosyapp.engine.pipeline import MAX_SPEED
-    from cosyapp.engine.token2wav import Token2Wav
+    from cosyapp.engine.token2wav.worker import Token2Wav
     from cosyapp.models.cosyvoice2 import PromptInputs
     from cosyapp.settings import MIN_FIRST_HOP
 

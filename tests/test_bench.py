@@ -169,8 +169,8 @@ def test_the_bench_voice_is_offered_by_name_from_the_model_folder(tiny_model_dir
 
     from cosyapp.frontend.text import TextFrontend
     from cosyapp.frontend.voice import VoiceFrontend
+    from cosyapp.frontend.voices import VoiceLibrary
     from cosyapp.models.checkpoint import BACKBONE_DIR
-    from cosyapp.voices import VoiceLibrary
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from cosyapp.modelgen.tiny import write_official_configs, write_tokenizer
 from cosyapp.models.checkpoint import build_networks, load_model
 from cosyapp.models.cosyvoice2 import PromptInputs
-from cosyapp.models.tiny import write_official_configs, write_tokenizer
 
 
 def shapes(module: torch.nn.Module, prefix: str = "") -> dict[str, list[int]]:

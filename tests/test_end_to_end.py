@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from cosyapp.bench.reference import ReferenceSynthesizer
 from cosyapp.frontend.text import TextError, TextFrontend
 from cosyapp.frontend.voice import VoiceFrontend
-from cosyapp.synthesis import ReferenceSynthesizer
-from cosyapp.voices import VoiceLibrary
+from cosyapp.frontend.voices import VoiceLibrary
 
 
 @pytest.fixture(scope="module")

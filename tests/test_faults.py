@@ -20,9 +20,9 @@ import pytest
 import torch
 from test_server import VOICE, make_service, serving
 
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.models.cosyvoice2 import PromptInputs
-from cosyapp.server import build_app
+from cosyapp.web.server import build_app
 
 SAMPLES_PER_TOKEN = 960
 LONG_JOB_TOKENS = 120  # the one job the poisoned seam refuses: longer than every other job

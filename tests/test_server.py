@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
-from cosyapp.server import EngineStart, build_app, serve_in_thread  # noqa: E402
 from cosyapp.service import build_service  # noqa: E402
 from cosyapp.settings import Settings  # noqa: E402
+from cosyapp.web.server import EngineStart, build_app, serve_in_thread  # noqa: E402
 
 VOICE = "zh-aishell-w0121"
 SHORT = "Hello there."

@@ -1,5 +1,5 @@
 """The soak test in its short form: the app on loopback, a few clients mixing good and bad requests
-for 30 s (``python -m cosyapp.soak`` runs the long form)."""
+for 30 s (``python -m cosyapp.bench.soak`` runs the long form)."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from cosyapp.soak import KINDS, Tally, WrongAnswer, main, run_soak  # noqa: E402
+from cosyapp.bench.soak import KINDS, Tally, WrongAnswer, main, run_soak  # noqa: E402
 
 
 def test_a_short_soak_answers_every_request_correctly(tmp_path):

@@ -6,9 +6,9 @@ import onnxruntime as ort
 import torch
 from transformers import AutoTokenizer
 
+from cosyapp.modelgen.tiny import write_tiny_model
+from cosyapp.modelgen.yaml_template import OFFICIAL, render_yaml
 from cosyapp.models.hyperyaml import Tagged, read_hyperyaml
-from cosyapp.models.tiny import write_tiny_model
-from cosyapp.models.yaml_template import OFFICIAL, render_yaml
 
 OFFICIAL_FILES = [
     "cosyvoice2.yaml",
@@ -90,8 +90,8 @@ def test_speech_tokenizer_stand_in_gives_25hz_tokens_in_range(tiny_model_dir):
 
 
 def test_endless_model_decodes_exactly_its_maximum(tmp_path):
+    from cosyapp.modelgen.tiny import write_random_model
     from cosyapp.models.checkpoint import load_model
-    from cosyapp.models.tiny import write_random_model
 
     lm = load_model(write_random_model(tmp_path / "endless", seed=1, endless=True), device="cpu").lm
     text = torch.tensor([5, 6, 7])

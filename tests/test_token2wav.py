@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cosyapp.engine.chunking import ChunkSchedule, StreamingSpeedChange
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.chunking import ChunkSchedule, StreamingSpeedChange
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples

@@ -6,7 +6,7 @@ import torch
 
 from cosyapp.frontend.audio import AudioTooShortError
 from cosyapp.frontend.voice import VoiceFrontend
-from cosyapp.voices import ASSETS_VOICES, VoiceLibrary, VoiceNotFoundError, sanitize_name
+from cosyapp.frontend.voices import ASSETS_VOICES, VoiceLibrary, VoiceNotFoundError, sanitize_name
 
 AISHELL = ASSETS_VOICES / "zh-aishell-w0121.wav"
 AISHELL_TEXT = "甚至出现交易几乎停滞的情况"

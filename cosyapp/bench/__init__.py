@@ -2,7 +2,7 @@
 
 load.py       the reproducible load: model folder, prompt voice, texts, decoding lengths
 drivers.py    how a request is sent: in-process Pipeline, OpenAI-style HTTP, gradio_client
-serving.py    the benchmark's own server (the app of cosyapp.server on a free loopback port)
+serving.py    the benchmark's own server (the app of cosyapp.web.server on a free loopback port)
 stats.py      per-request results, latency/throughput/underrun summaries, engine statistics
 levels.py     one setting: N concurrent requests through a driver, measured
 baselines.py  the alternatives on the same model and load, and cosyapp's ratios to them

@@ -19,8 +19,8 @@ from cosyapp.bench.levels import FIRST_SEED, measure
 from cosyapp.bench.load import TextSet
 from cosyapp.bench.stats import RequestResult, summarize
 from cosyapp.engine.pipeline import Pipeline
-from cosyapp.engine.token2wav import Token2Wav
-from cosyapp.voices import Voice
+from cosyapp.engine.token2wav.worker import Token2Wav
+from cosyapp.frontend.voices import Voice
 
 SEQUENTIAL_NOTE = (
     "one request at a time: throughput does not depend on the number of clients, and each client "
@@ -74,7 +74,7 @@ async def torch_engine(
     pipeline: Pipeline, voice: Voice, text: TextSet, clients: int, max_batch: int, on_done: Callable[[], None]
 ) -> dict:
     """Baseline (c): the PyTorch LM engine with this run's batched token2wav worker (streaming)."""
-    from cosyapp.engine.lm_torch import TorchSpeechLM
+    from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 
     if isinstance(pipeline.lm, TorchSpeechLM):
         return {"same_as": "(d): this run's LM engine is the PyTorch one"}
@@ -95,7 +95,7 @@ async def torch_engine(
 
 def requests(pipeline: Pipeline, baseline_clients: int, clients: int) -> int:
     """How many requests the baselines send ((c) sends none when this run's engine is the PyTorch one)."""
-    from cosyapp.engine.lm_torch import TorchSpeechLM
+    from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 
     return baseline_clients + clients + (0 if isinstance(pipeline.lm, TorchSpeechLM) else clients)
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cosyapp.bench.stats import RequestResult
 from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
-from cosyapp.voices import Voice
+from cosyapp.frontend.voices import Voice
 
 DRIVERS = ("pipeline", "openai", "gradio")
 # The page's stats line after each chunk: the audio so far, e.g. "(34,560 samples at 24,000 Hz)". It is

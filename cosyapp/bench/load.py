@@ -21,10 +21,10 @@ import torch
 
 from cosyapp.frontend.features import VoiceFeatures
 from cosyapp.frontend.text import TextFrontend
+from cosyapp.frontend.voices import Voice, VoiceInfo
+from cosyapp.modelgen.tiny import write_full_size_model, write_random_model
 from cosyapp.models.cosyvoice2 import CosyVoice2
 from cosyapp.models.sampling import SamplingParams
-from cosyapp.models.tiny import write_full_size_model, write_random_model
-from cosyapp.voices import Voice, VoiceInfo
 
 TOKENS_PER_SECOND = 25
 MODEL_RATIO = SamplingParams().max_token_text_ratio  # the random models keep upstream's 20

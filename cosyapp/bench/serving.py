@@ -1,6 +1,6 @@
 """The server the HTTP drivers talk to: by default the benchmark's own, else one given by ``--url``.
 
-The own server is the app of ``cosyapp.server.build_app`` over the benchmark's Pipeline, served by
+The own server is the app of ``cosyapp.web.server.build_app`` over the benchmark's Pipeline, served by
 uvicorn on a free loopback port on this event loop (the loop the engines run on, as in production),
 so one run holds everything and the engines' statistics stay readable here. gradio, uvicorn and the
 server code are imported only when a server is started.
@@ -48,10 +48,10 @@ async def own_server(pipeline: Pipeline, model_dir: Path, workdir: Path, engine:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import uvicorn
 
-    from cosyapp.server import build_app
+    from cosyapp.frontend.voices import VoiceLibrary
     from cosyapp.service import Service
     from cosyapp.settings import Settings
-    from cosyapp.voices import VoiceLibrary
+    from cosyapp.web.server import build_app
 
     settings = Settings(
         model=str(model_dir),

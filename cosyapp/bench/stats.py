@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyapp.engine.lm import LMStats
+from cosyapp.engine.lm.base import LMStats
 from cosyapp.engine.metrics import percentile
 from cosyapp.engine.pipeline import Pipeline
-from cosyapp.engine.token2wav import Token2WavStats
+from cosyapp.engine.token2wav.worker import Token2WavStats
 
 STAGES = ("lm", "flow", "hift")
 

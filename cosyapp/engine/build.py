@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from cosyapp.engine.lm import SpeechTokenLM
+from cosyapp.engine.lm.base import SpeechTokenLM
 from cosyapp.engine.pipeline import Pipeline
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.cosyvoice2 import CosyVoice2
@@ -54,10 +54,10 @@ def build_lm_engine(model: CosyVoice2, options: EngineOptions) -> SpeechTokenLM:
     name = choose_engine(options.engine, model.device)
     log.info("speech-token LM engine: %s", name)
     if name == "torch":
-        from cosyapp.engine.lm_torch import TorchSpeechLM
+        from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 
         return TorchSpeechLM(model.lm, max_batch=options.max_batch)
-    from cosyapp.engine.lm_vllm import VllmSpeechLM, export_for_vllm
+    from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm
 
     on_gpu = model.device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -84,7 +84,7 @@ def build_pipeline(model: CosyVoice2, options: EngineOptions) -> Pipeline:
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
     if options.cuda_graphs and model.device.type == "cuda":
-        from cosyapp.engine.graphs import GraphedEstimator
+        from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
         decoder = model.flow.decoder
         if not isinstance(decoder.estimator, GraphedEstimator):

@@ -21,12 +21,12 @@ import torch
 
 from cosyapp.engine.admission import BusyError as BusyError  # callers take it with the Pipeline
 from cosyapp.engine.admission import FairAdmission
-from cosyapp.engine.lm import LMRequest, SpeechTokenLM
+from cosyapp.engine.lm.base import LMRequest, SpeechTokenLM
 from cosyapp.engine.metrics import Metrics, RequestRecord
-from cosyapp.engine.token2wav import Token2Wav
+from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
+from cosyapp.frontend.voices import Voice
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
-from cosyapp.voices import Voice
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 MAX_SEED = 2**63 - 1

@@ -51,7 +51,7 @@ def ui(tmp_path_factory):
     """The app over the tiny model, launched as users get it (queue, batching, launch options)."""
     from cosyapp.service import build_service
     from cosyapp.settings import Settings
-    from cosyapp.ui import build_demo, launch_options
+    from cosyapp.web.ui import build_demo, launch_options
 
     home = tmp_path_factory.mktemp("ui")
     settings = Settings(

@@ -12,10 +12,10 @@ import soundfile as sf
 
 from cosyapp.engine.metrics import Metrics
 from cosyapp.frontend.text import TextError
-from cosyapp.ui.audio import ClipFolder, ensure_ffmpeg, wav_bytes
-from cosyapp.ui.events import request_stats, user_error
-from cosyapp.ui.panel import MetricsHistory, history_of, plot_frames, stat_tiles
-from cosyapp.voices import VoiceNotFoundError
+from cosyapp.frontend.voices import VoiceNotFoundError
+from cosyapp.web.ui.audio import ClipFolder, ensure_ffmpeg, wav_bytes
+from cosyapp.web.ui.events import request_stats, user_error
+from cosyapp.web.ui.panel import MetricsHistory, history_of, plot_frames, stat_tiles
 
 
 def test_chunks_are_16_bit_mono_wav_of_the_same_samples():

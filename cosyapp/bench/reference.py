@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from cosyapp.frontend.text import TextFrontend, log_short_sentences
+from cosyapp.frontend.voices import Voice
 from cosyapp.models.cosyvoice2 import CosyVoice2
-from cosyapp.voices import Voice
 
 
 class ReferenceSynthesizer:

@@ -1,4 +1,4 @@
-"""Soak test: ``python -m cosyapp.soak`` serves the app on loopback with the tiny demo model and runs
+"""Soak test: ``python -m cosyapp.bench.soak`` serves the app on loopback with the tiny demo model and runs
 N concurrent clients mixing good and bad requests for a while, then prints and writes a JSON summary.
 
 Every good answer must be correct audio (24 kHz mono 16-bit, whole token hops; the same text and
@@ -8,7 +8,7 @@ every bad one its own message; a "busy, try again" (503 or
 Gradio's busy error) is allowed and counted. RSS of the process is sampled every second. The exit
 status is 1 when any answer was wrong.
 
-    python -m cosyapp.soak --seconds 600 --clients 16 --out soak.json
+    python -m cosyapp.bench.soak --seconds 600 --clients 16 --out soak.json
 """
 
 import argparse
@@ -194,9 +194,9 @@ def sample_rss(stop: threading.Event, samples: list[tuple[float, int]], started:
 def serving_app(home: Path, max_streams: int) -> Iterator[str]:
     """The app (tiny demo model, PyTorch LM engine, CPU) under uvicorn on a free loopback port."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from cosyapp.server import build_app, serve_in_thread
     from cosyapp.service import build_service
     from cosyapp.settings import Settings
+    from cosyapp.web.server import build_app, serve_in_thread
 
     settings = Settings(
         demo=True,
@@ -267,7 +267,9 @@ def run_soak(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyapp.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cosyapp.bench.soak", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--seconds", type=float, default=300.0, help="how long the clients run (default: 300)"
     )

@@ -32,13 +32,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.middleware import Middleware
 
-from cosyapp.api_guard import ApiGuard, max_body_bytes
 from cosyapp.engine.build import choose_engine
 from cosyapp.engine.pipeline import MAX_SEED, MAX_SPEED, MIN_SPEED, AudioChunk, BusyError, SynthesisRequest
 from cosyapp.frontend.text import TextError
+from cosyapp.frontend.voices import VoiceNotFoundError
 from cosyapp.service import Service
-from cosyapp.ui import build_demo, launch_options, mount_options
-from cosyapp.voices import VoiceNotFoundError
+from cosyapp.web.api_guard import ApiGuard, max_body_bytes
+from cosyapp.web.ui import build_demo, launch_options, mount_options
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only 
     from cosyapp.frontend.voice import VoiceFrontend
 
 log = logging.getLogger(__name__)
-ASSETS_VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
+ASSETS_VOICES = Path(__file__).resolve().parents[2] / "assets" / "voices"
 MAX_NAME_CHARS = 60
 MAX_CACHED_FEATURES = 512  # feature files of recordings kept on disk (~50 KB each); saved voices' stay
 MAX_PROMPT_TEXT_CHARS = 500

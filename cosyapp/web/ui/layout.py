@@ -16,9 +16,9 @@ import gradio as gr
 
 from cosyapp.engine.pipeline import MAX_SPEED, MIN_SPEED
 from cosyapp.service import Service
-from cosyapp.ui.audio import ensure_ffmpeg
-from cosyapp.ui.events import RECORDING, Handlers
-from cosyapp.ui.panel import build_panel
+from cosyapp.web.ui.audio import ensure_ffmpeg
+from cosyapp.web.ui.events import RECORDING, Handlers
+from cosyapp.web.ui.panel import build_panel
 
 CLIP_BATCH = 16
 CLIP_BATCHES_AT_ONCE = 2

@@ -3,7 +3,7 @@
 Same file names and yaml keys as CosyVoice2-0.5B, small sizes, deterministic from a seed, written in
 a few seconds. Tests and the ``--demo`` mode load it through the same loader as the real weights.
 
-    python -m cosyapp.models.tiny OUT_DIR [--seed N] [--full-size [--device cuda]]
+    python -m cosyapp.modelgen.tiny OUT_DIR [--seed N] [--full-size [--device cuda]]
 """
 
 import argparse
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from transformers import Qwen2Config
 
+from cosyapp.modelgen.yaml_template import OFFICIAL, TINY, NetworkSizes, render_yaml
 from cosyapp.models.checkpoint import BACKBONE_DIR, YAML_NAME, build_flow, build_hift, build_lm, read_hparams
 from cosyapp.models.sampling import STOP_TOKENS
-from cosyapp.models.yaml_template import OFFICIAL, TINY, NetworkSizes, render_yaml
 
 QWEN_BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from cosyapp.engine.lm import LMRequest, LMStats
+from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, ras_distribution, recent_window
 

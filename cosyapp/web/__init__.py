@@ -1,0 +1,1 @@
+"""The HTTP edge: the FastAPI server, the API gate, the Gradio UI."""
