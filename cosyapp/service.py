@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosyapp.engine.build import EngineOptions, build_pipeline
+from cosyapp.engine.build import build_pipeline
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.frontend.voices import VoiceLibrary
 from cosyapp.models.checkpoint import ModelFolderError, load_model, resolve_model_dir
@@ -58,16 +58,7 @@ def build_service(settings: Settings) -> Service:
 
     folder, demo_reason = choose_model(settings)
     model = load_model(folder, device=settings.device)
-    options = EngineOptions(
-        engine=settings.engine,
-        cache_dir=settings.cache_dir,
-        max_streams=settings.max_streams,
-        first_hop=settings.first_hop,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_text_chars=settings.max_text_chars,
-        enforce_eager=model.device.type == "cpu",
-    )
-    pipeline = build_pipeline(model, options)
+    pipeline = build_pipeline(model, settings.serve_options())
     voices = VoiceLibrary(
         settings.data_dir, VoiceFrontend(folder, model.device), spk2info=folder / "spk2info.pt"
     )

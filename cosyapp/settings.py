@@ -1,15 +1,16 @@
-"""Every knob of cosyapp in one place: command-line flags, each with a COSYAPP_* environment default."""
+"""Every knob of cosyapp in one place: command-line flags, each with a COSYAPP_* environment default.
+
+The serving flags' defaults and ranges are those of ``cosyapp.options``.
+"""
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cosyapp.options import DEFAULT_HOME, DEFAULTS, ENGINES, OptionError, ServeOptions
+
 DEFAULT_REPO = "FunAudioLLM/CosyVoice2-0.5B"
-DEFAULT_HOME = Path.home() / ".cache" / "cosyapp"
-# A first chunk of fewer tokens is shorter, at speed 2.0, than HiFT's 8-frame overlap; the top is
-# engine.chunking.MAX_HOP (not imported: --help must not import torch).
-MIN_FIRST_HOP, MAX_FIRST_HOP = 10, 100
 
 
 @dataclass(frozen=True)
@@ -19,19 +20,27 @@ class Settings:
     model: str = DEFAULT_REPO
     demo: bool = False
     device: str | None = None
-    engine: str = "auto"
+    engine: str = DEFAULTS.engine
     host: str = "127.0.0.1"
     port: int = 7860
     share: bool = False
-    gpu_memory_utilization: float = 0.3
-    max_streams: int = 64
-    first_hop: int = 25
-    max_text_chars: int = 5000
+    gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization
+    max_streams: int = DEFAULTS.max_streams
+    first_hop: int = DEFAULTS.first_hop
+    max_text_chars: int = DEFAULTS.max_text_chars
     max_upload_mb: int = 20
     auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets stay out of logs
     api_key: str | None = field(default=None, repr=False)
-    cache_dir: Path = DEFAULT_HOME
+    cache_dir: Path = DEFAULTS.cache_dir
     data_dir: Path = DEFAULT_HOME / "data"
+
+    def serve_options(self) -> ServeOptions:
+        """The engine's options: those these settings choose, every other at its default.
+
+        Raises OptionError for a chosen value outside its range.
+        """
+        chosen = {f.name for f in fields(self)} & {f.name for f in fields(ServeOptions)}
+        return ServeOptions(**{name: getattr(self, name) for name in chosen})
 
 
 def _env(name: str, default: object) -> str | None:
@@ -70,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--engine",
-        choices=["auto", "vllm", "torch"],
+        choices=ENGINES,
         default=_env("ENGINE", defaults.engine),
         help="speech-token LM engine: vllm, torch, or auto = vllm when installed and on a GPU "
         "(default: %(default)s; env COSYAPP_ENGINE)",
@@ -158,16 +167,8 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     """Settings from ``argv`` (default: sys.argv) and the environment; exits with a message when invalid."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0.05 <= args.gpu_memory_utilization <= 0.95:
-        parser.error("--gpu-memory-utilization must be between 0.05 and 0.95")
-    if args.max_streams < 1:
-        parser.error("--max-streams must be at least 1")
-    if not MIN_FIRST_HOP <= args.first_hop <= MAX_FIRST_HOP:
-        parser.error(f"--first-hop must be between {MIN_FIRST_HOP} and {MAX_FIRST_HOP}")
     if not 1 <= args.port <= 65535:
         parser.error("--port must be between 1 and 65535")
-    if args.max_text_chars < 1:
-        parser.error("--max-text-chars must be at least 1")
     if args.max_upload_mb < 1:
         parser.error("--max-upload-mb must be at least 1")
     if args.auth is not None:
@@ -177,4 +178,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         args.auth = (user, password)
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key must not be empty")
-    return Settings(**{k: v for k, v in vars(args).items()})
+    settings = Settings(**vars(args))
+    try:
+        settings.serve_options()
+    except OptionError as e:
+        parser.error(e.flag())
+    return settings

@@ -123,13 +123,12 @@ def test_settings_read_the_environment(monkeypatch, tmp_path):
 
 
 def test_first_hop_reaches_the_engine_and_stays_in_the_range_every_speed_can_stream(monkeypatch, capsys):
-    from cosyapp.engine.token2wav.chunking import MAX_HOP
-    from cosyapp.settings import MAX_FIRST_HOP, MIN_FIRST_HOP, parse_settings
+    from cosyapp.options import MAX_HOP, MIN_FIRST_HOP
+    from cosyapp.settings import parse_settings
 
-    assert MAX_FIRST_HOP == MAX_HOP
     monkeypatch.setenv("COSYAPP_FIRST_HOP", "12")
-    assert parse_settings([]).first_hop == 12
-    for bad in (str(MIN_FIRST_HOP - 1), str(MAX_FIRST_HOP + 1)):
+    assert parse_settings([]).serve_options().first_hop == 12
+    for bad in (str(MIN_FIRST_HOP - 1), str(MAX_HOP + 1)):
         with pytest.raises(SystemExit):
             parse_settings(["--first-hop", bad])
         assert "--first-hop must be between 10 and 100" in capsys.readouterr().err
@@ -141,7 +140,7 @@ def test_the_lowest_first_hop_streams_at_the_highest_speed_and_one_less_cannot(t
     from cosyapp.engine.pipeline import MAX_SPEED
     from cosyapp.engine.token2wav.worker import Token2Wav
     from cosyapp.models.cosyvoice2 import PromptInputs
-    from cosyapp.settings import MIN_FIRST_HOP
+    from cosyapp.options import MIN_FIRST_HOP
 
     g = torch.Generator().manual_seed(0)
     prompt = PromptInputs(

@@ -23,6 +23,7 @@ from pathlib import Path
 from cosyapp.bench.drivers import DRIVERS
 from cosyapp.bench.load import MODEL_RATIO, TEXT_SETS
 from cosyapp.bench.plots import plot_paths, write_plots
+from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
 SMOKE = {
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--smoke", action="store_true", help=f"the CI check, a tiny model with: {smoke} (overriding those)")
     add("--full-size", action="store_true", help="CosyVoice2-0.5B sizes with random weights")
-    add("--engine", default="auto", choices=["auto", "vllm", "torch"])
+    add("--engine", default=DEFAULTS.engine, choices=ENGINES)
     add("--device", default=None, help="torch device (default: cuda when available)")
     add(
         "--clients", default="1,4,16,64,256", help="comma-separated concurrency levels (default: %(default)s)"
@@ -94,14 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="clients of baseline (a), which serves one request at a time: its throughput does not depend "
         "on this, only how long it takes (default: %(default)s)",
     )
-    add("--max-batch", type=int, default=64, help="largest LM and token2wav batch (default: %(default)s)")
+    add(
+        "--max-batch",
+        type=int,
+        default=DEFAULTS.max_batch,
+        help="largest LM and token2wav batch (default: %(default)s)",
+    )
     add(
         "--first-hop",
         type=int,
-        default=25,
+        default=DEFAULTS.first_hop,
         help="speech tokens of a stream's first chunk (default: %(default)s)",
     )
-    add("--gpu-memory-utilization", type=float, default=0.3)
+    add("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
     add(
         "--no-cuda-graphs",
         dest="cuda_graphs",
@@ -133,6 +139,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--tokens must be a positive multiple of {MODEL_RATIO:g}, got {args.tokens}")
     if args.baselines and "pipeline" not in args.drivers:
         parser.error("--baselines compares against the pipeline driver: add pipeline to --drivers")
+    try:  # the run puts the cache in its work folder
+        args.serve = ServeOptions(
+            engine=args.engine,
+            max_streams=max(args.clients),
+            max_batch=args.max_batch,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            first_hop=args.first_hop,
+            cuda_graphs=args.cuda_graphs,
+        )
+    except OptionError as e:
+        parser.error(e.flag())
     http = [d for d in args.drivers if d != "pipeline"]
     needed = (["gradio"] if http and not args.url else []) + (["gradio_client"] if "gradio" in http else [])
     for package in needed + (["httpx"] if http else []):

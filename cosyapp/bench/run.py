@@ -5,7 +5,7 @@ import itertools
 import tempfile
 import time
 from contextlib import AsyncExitStack
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,7 +24,7 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.engine.build import EngineOptions, build_pipeline, choose_engine
+from cosyapp.engine.build import build_pipeline, choose_engine
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.models.checkpoint import load_model, pick_device
 
@@ -35,16 +35,7 @@ async def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cosyapp-bench-"))
     folder = prepare_model(workdir / ("full-size" if args.full_size else "tiny"), args.full_size, device)
-    options = EngineOptions(
-        engine=args.engine,
-        cache_dir=workdir / "cache",
-        max_streams=max(args.clients),
-        max_batch=args.max_batch,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=device.type == "cpu",
-        first_hop=args.first_hop,
-        cuda_graphs=args.cuda_graphs,
-    )
+    options = replace(args.serve, cache_dir=workdir / "cache")
     pipeline = build_pipeline(load_model(folder, device=str(device)), options)
     write_speaker(folder, pipeline.text)
     # Another process's model cannot be told a decoding ratio: against --url every text decodes at the
@@ -86,7 +77,7 @@ async def run(args: argparse.Namespace) -> dict:
         "hardware": hardware(device),
         "versions": versions(),
         "command": args.command,
-        "options": {key: value for key, value in vars(args).items() if key != "command"},
+        "options": {key: value for key, value in vars(args).items() if key not in ("command", "serve")},
         "engine_options": {key: str(value) for key, value in asdict(options).items()},
         "engine": type(pipeline.lm).__name__,
         "model": "CosyVoice2-0.5B sizes, random weights" if args.full_size else "tiny random model",

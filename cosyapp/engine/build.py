@@ -1,9 +1,7 @@
-"""Assemble the one Pipeline of a process from a loaded model and a few serving choices."""
+"""Assemble the one Pipeline of a process from a loaded model and its ServeOptions."""
 
 import importlib.util
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -13,30 +11,9 @@ from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.cosyvoice2 import CosyVoice2
+from cosyapp.options import ENGINES, ServeOptions
 
 log = logging.getLogger(__name__)
-ENGINES = ("auto", "vllm", "torch")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Serving choices. ``engine`` auto = vLLM when installed and a GPU is present, else PyTorch."""
-
-    engine: str = "auto"
-    cache_dir: Path = Path.home() / ".cache" / "cosyapp"
-    max_streams: int = 64
-    max_waiting: int = 256
-    gpu_memory_utilization: float = 0.3
-    max_batch: int = 64  # largest token2wav batch (and LM batch of the PyTorch engine)
-    flow_dtype: torch.dtype | None = None  # None: float16 autocast on CUDA, float32 on CPU
-    enforce_eager: bool = False
-    kv_cache_memory_bytes: int = 256 << 20  # vLLM's KV cache on the CPU (a GPU uses the utilisation)
-    max_text_chars: int = 5000
-    # Tokens of a stream's first chunk before its alignment pad: 25 is upstream's hop; fewer tokens
-    # reach the first audio sooner (see ChunkSchedule for what changes).
-    first_hop: int = 25
-    # Replay the flow estimator from CUDA graphs on a GPU, captured at start-up (engine/graphs.py).
-    cuda_graphs: bool = True
 
 
 def choose_engine(requested: str, device: torch.device) -> str:
@@ -49,7 +26,7 @@ def choose_engine(requested: str, device: torch.device) -> str:
     return "vllm" if has_vllm and device.type == "cuda" else "torch"
 
 
-def build_lm_engine(model: CosyVoice2, options: EngineOptions) -> SpeechTokenLM:
+def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
     """The speech-token LM engine over ``model.lm`` (vLLM gets an exported copy of its weights)."""
     name = choose_engine(options.engine, model.device)
     log.info("speech-token LM engine: %s", name)
@@ -70,14 +47,14 @@ def build_lm_engine(model: CosyVoice2, options: EngineOptions) -> SpeechTokenLM:
         # Every admitted stream decodes in the same step: vLLM's throughput keeps growing well past
         # the token2wav batch (18.6k tokens/s at 256 sequences on an H200 against 11.5k at 64).
         max_num_seqs=options.max_streams,
-        enforce_eager=options.enforce_eager,
+        enforce_eager=not on_gpu,  # compiling and CUDA graphs pay off only on a GPU
         kv_cache_memory_bytes=options.kv_cache_memory_bytes if not on_gpu else None,
     )
 
 
-def build_pipeline(model: CosyVoice2, options: EngineOptions) -> Pipeline:
+def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     """The Pipeline of this process: text frontend, LM engine, token2wav worker, admission limits."""
-    flow_dtype = options.flow_dtype
+    flow_dtype = getattr(torch, options.flow_dtype) if options.flow_dtype else None
     if flow_dtype is None and model.device.type == "cuda":
         flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
     if model.device.type == "cuda":

@@ -27,6 +27,7 @@ from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.frontend.voices import Voice
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
+from cosyapp.options import DEFAULTS
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
 MAX_SEED = 2**63 - 1
@@ -81,8 +82,8 @@ class Pipeline:
         text: TextFrontend,
         lm: SpeechTokenLM,
         token2wav: Token2Wav,
-        max_streams: int = 64,
-        max_waiting: int = 256,
+        max_streams: int = DEFAULTS.max_streams,
+        max_waiting: int = DEFAULTS.max_waiting,
         metrics: Metrics | None = None,
     ):
         self.model = model

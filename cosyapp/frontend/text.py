@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosyapp.options import DEFAULTS
+
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
@@ -88,7 +90,7 @@ class TextFrontend:
             run, as upstream does when no normalizer is installed.
     """
 
-    def __init__(self, tokenizer_dir: Path, max_chars: int = 5000, normalize: bool = True):
+    def __init__(self, tokenizer_dir: Path, max_chars: int = DEFAULTS.max_text_chars, normalize: bool = True):
         import inflect
         from transformers import AutoTokenizer
 

@@ -22,6 +22,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, ras_distribution, recent_window
+from cosyapp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class Sequence:
 class TorchSpeechLM:
     """``SpeechTokenLM`` in plain PyTorch: continuous batching of up to ``max_batch`` requests."""
 
-    def __init__(self, lm: Qwen2LM, max_batch: int = 64):
+    def __init__(self, lm: Qwen2LM, max_batch: int = DEFAULTS.max_batch):
         assert max_batch >= 1
         self.lm = lm
         self.max_batch = max_batch

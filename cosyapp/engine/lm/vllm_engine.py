@@ -31,6 +31,7 @@ from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, SamplingParams
+from cosyapp.options import DEFAULTS
 
 EXPORT_FORMAT = 1  # bump when the exported files change, so cached folders are rebuilt
 ARCHITECTURE = "CosyVoice2ForCausalLM"  # vllm_model.ARCHITECTURE, repeated to keep vLLM out of imports
@@ -142,8 +143,8 @@ class VllmSpeechLM:
         sampling: SamplingParams,
         *,
         dtype: torch.dtype = torch.bfloat16,
-        gpu_memory_utilization: float = 0.2,
-        max_num_seqs: int = 64,
+        gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
+        max_num_seqs: int = DEFAULTS.max_streams,
         enforce_eager: bool = False,
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from cosyapp.models.cosyvoice2 import SAMPLES_PER_FRAME
+from cosyapp.options import MAX_HOP
 
 ENCODER_CHUNK = 25  # tokens per static chunk of the flow's streaming masks (50 mel frames)
-MAX_HOP = 100
 PRE_LOOKAHEAD = 3  # tokens of right context a chunk call hands the flow beyond its hop
 MEL_CACHE_FRAMES = 8
 SOURCE_CACHE_SAMPLES = MEL_CACHE_FRAMES * SAMPLES_PER_FRAME  # 3840, also the cross-fade length

@@ -34,6 +34,7 @@ from cosyapp.engine.token2wav.chunking import (
 from cosyapp.engine.token2wav.jobs import Job, StreamState, deliver, failing, retry_in_halves, rounds
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
+from cosyapp.options import DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class Token2Wav:
     def __init__(
         self,
         model: CosyVoice2,
-        max_batch: int = 32,
-        first_hop: int = 25,
+        max_batch: int = DEFAULTS.max_batch,
+        first_hop: int = DEFAULTS.first_hop,
         autocast_dtype: torch.dtype | None = None,
     ):
         if max_batch < 1:

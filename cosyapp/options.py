@@ -1,0 +1,89 @@
+"""Every serving default of cosyapp, defined once.
+
+The command line (settings.py), the benchmark and the engine builder read their defaults from
+``DEFAULTS``; the engine constructors default to its values by reference. Torch-free, so ``--help``
+stays fast.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINES = ("auto", "vllm", "torch")
+DEFAULT_HOME = Path.home() / ".cache" / "cosyapp"
+FLOW_DTYPES = ("float16", "bfloat16", "float32")
+
+# The first hop's bounds. A first chunk of fewer than MIN_FIRST_HOP tokens is shorter, at speed 2.0,
+# than HiFT's 8-frame overlap; MAX_HOP is upstream's longest hop, where every stream's schedule ends.
+MIN_FIRST_HOP = 10
+MAX_HOP = 100
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the one Pipeline of a process serves.
+
+    engine: speech-token LM engine; auto = vLLM when installed and a GPU is present, else PyTorch.
+    cache_dir: generated files (the demo model, the vLLM export).
+    max_streams / max_waiting: requests synthesised at once / queued behind them.
+    gpu_memory_utilization: fraction of the GPU vLLM may take for the LM.
+    max_batch: largest token2wav batch (and LM batch of the PyTorch engine).
+    first_hop: speech tokens of a stream's first chunk before its alignment pad; 25 is upstream's
+        hop, fewer reach the first audio sooner (see ChunkSchedule for what changes).
+    max_text_chars: longest text accepted per request.
+    flow_dtype: one of FLOW_DTYPES to run the flow in; None = float16 autocast on CUDA (as upstream's
+        fp16 mode), float32 on CPU.
+    kv_cache_memory_bytes: vLLM's KV cache on a CPU (on a GPU the utilisation sizes it).
+    cuda_graphs: replay the flow estimator from CUDA graphs on a GPU, captured at start-up.
+
+    Raises OptionError for a value outside its range.
+    """
+
+    engine: str = "auto"
+    cache_dir: Path = DEFAULT_HOME
+    max_streams: int = 64
+    max_waiting: int = 256
+    gpu_memory_utilization: float = 0.3
+    max_batch: int = 64
+    first_hop: int = 25
+    max_text_chars: int = 5000
+    flow_dtype: str | None = None
+    kv_cache_memory_bytes: int = 256 << 20
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        rules = [
+            ("engine", self.engine in ENGINES, f"must be one of {', '.join(ENGINES)}"),
+            ("max_streams", self.max_streams >= 1, "must be at least 1"),
+            ("max_waiting", self.max_waiting >= 0, "must not be negative"),
+            (
+                "gpu_memory_utilization",
+                0.05 <= self.gpu_memory_utilization <= 0.95,
+                "must be between 0.05 and 0.95",
+            ),
+            ("max_batch", self.max_batch >= 1, "must be at least 1"),
+            (
+                "first_hop",
+                MIN_FIRST_HOP <= self.first_hop <= MAX_HOP,
+                f"must be between {MIN_FIRST_HOP} and {MAX_HOP}",
+            ),
+            ("max_text_chars", self.max_text_chars >= 1, "must be at least 1"),
+            ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),
+        ]
+        for name, ok, rule in rules:
+            if not ok:
+                raise OptionError(name, rule)
+
+
+class OptionError(ValueError):
+    """A serving option outside its range: ``name`` (the field) ``rule`` (what it must be)."""
+
+    def __init__(self, name: str, rule: str):
+        super().__init__(f"{name} {rule}")
+        self.name, self.rule = name, rule
+
+    def flag(self) -> str:
+        """The message as the command line says it: ``--first-hop must be between 10 and 100``."""
+        return f"--{self.name.replace('_', '-')} {self.rule}"
+
+
+DEFAULTS = ServeOptions()

@@ -1,0 +1,100 @@
+"""One options object: the command line, the benchmark and the engine constructors share its defaults."""
+
+import importlib
+import inspect
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cosyapp.options import DEFAULTS, OptionError, ServeOptions
+
+
+@pytest.fixture(autouse=True)
+def no_cosyapp_environment(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("COSYAPP_")]:
+        monkeypatch.delenv(name)
+
+
+def test_the_command_line_defaults_are_the_options_defaults():
+    from cosyapp.settings import Settings, parse_settings
+
+    assert Settings().serve_options() == DEFAULTS
+    assert parse_settings([]).serve_options() == DEFAULTS
+
+
+def test_the_command_line_choices_reach_the_options():
+    from cosyapp.settings import parse_settings
+
+    argv = ["--engine", "torch", "--max-streams", "8", "--gpu-memory-utilization", "0.5", "--first-hop", "15"]
+    argv += ["--max-text-chars", "900", "--cache-dir", "cache"]
+    assert parse_settings(argv).serve_options() == replace(
+        DEFAULTS,
+        engine="torch",
+        max_streams=8,
+        gpu_memory_utilization=0.5,
+        first_hop=15,
+        max_text_chars=900,
+        cache_dir=Path("cache"),
+    )
+
+
+def test_the_benchmark_defaults_are_the_options_defaults():
+    from cosyapp.bench.__main__ import parse_args
+
+    args = parse_args(["--clients", str(DEFAULTS.max_streams)])
+    assert args.serve == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("constructor", "parameter", "option"),
+    [
+        ("cosyapp.engine.token2wav.worker:Token2Wav", "max_batch", "max_batch"),
+        ("cosyapp.engine.token2wav.worker:Token2Wav", "first_hop", "first_hop"),
+        ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
+        ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
+        ("cosyapp.engine.lm.torch_engine:TorchSpeechLM", "max_batch", "max_batch"),
+        ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "gpu_memory_utilization", "gpu_memory_utilization"),
+        ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "max_num_seqs", "max_streams"),
+        ("cosyapp.frontend.text:TextFrontend", "max_chars", "max_text_chars"),
+    ],
+)
+def test_engine_constructors_default_to_the_options(constructor, parameter, option):
+    module, name = constructor.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    default = inspect.signature(cls).parameters[parameter].default
+    assert default == getattr(DEFAULTS, option)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"engine": "onnx"}, "engine must be one of auto, vllm, torch"),
+        ({"max_streams": 0}, "max_streams must be at least 1"),
+        ({"gpu_memory_utilization": 0.99}, "gpu_memory_utilization must be between 0.05 and 0.95"),
+        ({"first_hop": 9}, "first_hop must be between 10 and 100"),
+        ({"first_hop": 101}, "first_hop must be between 10 and 100"),
+        ({"max_batch": 0}, "max_batch must be at least 1"),
+        ({"flow_dtype": "int8"}, "flow_dtype must be one of"),
+    ],
+)
+def test_an_option_out_of_range_is_refused_with_its_rule(change, message):
+    with pytest.raises(OptionError, match=message):
+        ServeOptions(**change)
+
+
+def test_the_command_line_names_the_flag_of_a_bad_option(capsys):
+    from cosyapp.settings import parse_settings
+
+    with pytest.raises(SystemExit):
+        parse_settings(["--gpu-memory-utilization", "0.01"])
+    assert "--gpu-memory-utilization must be between 0.05 and 0.95" in capsys.readouterr().err
+
+
+def test_the_benchmark_names_the_flag_of_a_bad_option(capsys):
+    from cosyapp.bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--max-batch", "0"])
+    assert "--max-batch must be at least 1" in capsys.readouterr().err
