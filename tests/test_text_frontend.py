@@ -1,6 +1,8 @@
-"""Text frontend: upstream's normalisation rules, sentence splitting and Qwen2 tokenizer setup (map 3.1, 3.2).
+"""Text frontend: upstream's normalisation rules, sentence splitting and Qwen2 tokenizer setup
+(docs/model.md §3.1, §3.2).
 
-Expected normalisations were checked against wetext 0.1.8's output before the Python rules of 3.1.
+Expected normalisations were checked against wetext 0.1.8's output before the Python rules of
+docs/model.md §3.1.
 The tiny model's tokenizer is a small byte-level BPE, not Qwen2's, so English lengths are measured
 with it.
 """
@@ -40,7 +42,7 @@ def frontend(tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def plain(tokenizer_dir):
-    """No wetext: only the Python rules of 3.1 and the splitting."""
+    """No wetext: only the Python rules of docs/model.md §3.1 and the splitting."""
     return TextFrontend(tokenizer_dir, normalize=False)
 
 

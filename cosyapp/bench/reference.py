@@ -14,7 +14,7 @@ from cosyapp.models.cosyvoice2 import CosyVoice2
 
 
 class ReferenceSynthesizer:
-    """Zero-shot synthesis as upstream's non-streaming ``inference_zero_shot`` (map 8.1-8.2)."""
+    """Zero-shot synthesis as upstream's non-streaming ``inference_zero_shot`` (docs/model.md §8.1)."""
 
     def __init__(self, model: CosyVoice2, text: TextFrontend):
         self.model = model

@@ -1,4 +1,4 @@
-"""Read a voice prompt recording and reject the ones the frontend cannot use (inference map 3.3, 3.8).
+"""Read a voice prompt recording and reject the ones the frontend cannot use (docs/model.md §3.3, §3.8).
 
 Upstream reads the file, averages the channels to mono and asserts on the rate and the length; here
 every such problem becomes a ``VoiceError`` subclass whose message can be shown to the user as it is.

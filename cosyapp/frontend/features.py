@@ -17,7 +17,7 @@ FEATURES_FORMAT = "cosyapp.VoiceFeatures/1"
 
 @dataclass
 class VoiceFeatures:
-    """The audio-derived part of a voice prompt, after the 1:2 token/mel alignment (map 3.7).
+    """The audio-derived part of a voice prompt, after the 1:2 token/mel alignment (docs/model.md §3.7).
 
     speech_tokens (P,) long; speech_feat (2P, 80) float32: 24 kHz prompt mel; embedding (192,)
     float32: CAM++ x-vector (not normalised: the flow does that).

@@ -1,7 +1,7 @@
 """Text to model input: normalise (wetext), split into sentences, encode with the Qwen2 tokenizer.
 
 Mirrors upstream CosyVoice2's wetext frontend (``text_normalize``, ``split_paragraph``) and its
-``QwenTokenizer``; see the inference map, sections 3.1 and 3.2. The TTS text is split into sentences,
+``QwenTokenizer``; see docs/model.md §3.1 and §3.2. The TTS text is split into sentences,
 each synthesised on its own; the prompt text is normalised but never split.
 
 wetext, inflect and regex are imported inside the functions that use them, so this module imports on
@@ -384,7 +384,7 @@ def has_nothing_to_read(text: str) -> bool:
 def log_short_sentences(sentences: Sequence[Sentence], normalized_prompt: str) -> list[Sentence]:
     """Log upstream's warning for each sentence with fewer than half the characters of the prompt text.
 
-    Such sentences tend to come out badly (inference map 3.8); nothing else changes. Returns them.
+    Such sentences tend to come out badly (docs/model.md §3.8); nothing else changes. Returns them.
     """
     short = [s for s in sentences if len(s.text) < 0.5 * len(normalized_prompt)]
     for sentence in short:

@@ -1,4 +1,4 @@
-"""A prompt recording -> the features CosyVoice 2 conditions on (inference map 2, 3.4-3.7, 9).
+"""A prompt recording -> the features CosyVoice 2 conditions on (docs/model.md §2, §3.4-3.7, §9).
 
 Three views of the same recording: speech tokens from whisper log-mels at 16 kHz through
 ``speech_tokenizer_v2.onnx``, a CAM++ x-vector from mean-normalised kaldi fbanks at 16 kHz through
@@ -30,7 +30,10 @@ MEL_N_FFT, MEL_FMAX = 1920, 8000.0
 
 
 def resample(wave: torch.Tensor, orig_rate: int, target_rate: int) -> torch.Tensor:
-    """torchaudio's windowed-sinc resampler at its defaults, as upstream (map 3.3); (N,) -> (N',)."""
+    """torchaudio's windowed-sinc resampler at its defaults, as upstream; (N,) -> (N',).
+
+    See docs/model.md §3.3.
+    """
     if orig_rate == target_rate:
         return wave
     return _resampler(orig_rate, target_rate)(wave)
@@ -51,7 +54,7 @@ def _mel_filters(sample_rate: int, n_fft: int, n_mels: int, fmax: float | None) 
 
 
 def whisper_log_mel(wave16k: torch.Tensor) -> torch.Tensor:
-    """Whisper's 128-band log-mel (map 3.4): (N,) at 16 kHz -> (1, 128, N // 160)."""
+    """Whisper's 128-band log-mel (docs/model.md §3.4): (N,) at 16 kHz -> (1, 128, N // 160)."""
     window = torch.hann_window(WHISPER_N_FFT)
     spec = torch.stft(wave16k, WHISPER_N_FFT, WHISPER_HOP, window=window, return_complex=True)
     power = spec[:, :-1].abs() ** 2  # whisper drops the last (centred, half-padded) frame
@@ -62,7 +65,7 @@ def whisper_log_mel(wave16k: torch.Tensor) -> torch.Tensor:
 
 
 def kaldi_fbank_cmn(wave16k: torch.Tensor) -> torch.Tensor:
-    """80-bin kaldi fbank minus its per-bin mean over time, CAM++'s input (map 3.5).
+    """80-bin kaldi fbank minus its per-bin mean over time, CAM++'s input (docs/model.md §3.5).
 
     (N,) at 16 kHz in float [-1, 1] scale (not int16 scale) -> (1 + (N - 400) // 160, 80).
     """
@@ -71,7 +74,10 @@ def kaldi_fbank_cmn(wave16k: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_mel(wave24k: torch.Tensor) -> torch.Tensor:
-    """Matcha's mel_spectrogram with CosyVoice 2's settings (map 3.6): (N,) at 24 kHz -> (N // 480, 80)."""
+    """Matcha's mel_spectrogram with CosyVoice 2's settings: (N,) at 24 kHz -> (N // 480, 80).
+
+    See docs/model.md §3.6.
+    """
     pad = (MEL_N_FFT - SAMPLES_PER_FRAME) // 2
     padded = F.pad(wave24k[None, None], (pad, pad), mode="reflect")[0, 0]
     window = torch.hann_window(MEL_N_FFT)
@@ -82,7 +88,10 @@ def prompt_mel(wave24k: torch.Tensor) -> torch.Tensor:
 
 
 def align_tokens_and_mel(tokens: torch.Tensor, mel: torch.Tensor, embedding: torch.Tensor) -> VoiceFeatures:
-    """Trim tokens (P_raw,) and mel (T50, 80) to P = min(T50 // 2, P_raw) tokens and 2P frames (map 3.7)."""
+    """Trim tokens (P_raw,) and mel (T50, 80) to P = min(T50 // 2, P_raw) tokens and 2P frames.
+
+    See docs/model.md §3.7.
+    """
     n = min(len(mel) // TOKEN_MEL_RATIO, len(tokens))
     assert n > 0, "a validated prompt (>= 1 s) always yields tokens"
     return VoiceFeatures(tokens[:n].clone(), mel[: TOKEN_MEL_RATIO * n].clone(), embedding)
@@ -91,7 +100,8 @@ def align_tokens_and_mel(tokens: torch.Tensor, mel: torch.Tensor, embedding: tor
 class VoiceFrontend:
     """Runs the two frontend ONNX networks of a model folder on prompt recordings.
 
-    CAM++ runs on the CPU; the speech tokenizer runs on CUDA when ``device`` is a CUDA device (map 9).
+    CAM++ runs on the CPU; the speech tokenizer runs on CUDA when ``device`` is a CUDA device
+    (docs/model.md §9).
     """
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu") -> None:

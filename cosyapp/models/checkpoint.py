@@ -1,4 +1,4 @@
-"""Find, download and load a CosyVoice2 model folder in the official layout (inference map 1.1).
+"""Find, download and load a CosyVoice2 model folder in the official layout (docs/model.md §1.1).
 
 The networks are built from the folder's ``cosyvoice2.yaml`` (read, never executed) and
 ``CosyVoice-BlankEN/config.json``, on the meta device, and the official ``llm.pt``, ``flow.pt`` and
@@ -156,7 +156,7 @@ def build_flow(hparams: dict[str, Any]) -> CausalMaskedDiffWithXvec:
         attention_heads=enc["attention_heads"],
         linear_units=enc["linear_units"],
         num_blocks=enc["num_blocks"],
-        # Without the key upstream runs the encoder without chunk masks (inference map 14.1).
+        # Without the key upstream runs the encoder without chunk masks (docs/model.md §6.7).
         static_chunk_size=enc.get("static_chunk_size", 0),
         pre_lookahead_len=node["pre_lookahead_len"],
         upsample_stride=node["token_mel_ratio"],

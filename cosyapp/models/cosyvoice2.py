@@ -1,6 +1,6 @@
 """The loaded CosyVoice 2 networks and the reference synthesis path (batch 1, non-streaming).
 
-The reference path is upstream's non-streaming ``tts`` (inference map 8.2) in plain PyTorch: LM
+The reference path is upstream's non-streaming ``tts`` (docs/model.md §8.1) in plain PyTorch: LM
 decoding with the RAS sampler, then flow (finalize, full attention), optional speed change, then
 HiFT. The serving engine batches these same modules; this path is the yardstick it is tested against.
 """
@@ -22,7 +22,7 @@ SAMPLES_PER_FRAME = 480
 
 @dataclass
 class PromptInputs:
-    """What the frontend derives from one voice prompt (inference map 3.8), on any device.
+    """What the frontend derives from one voice prompt (docs/model.md §3.8), on any device.
 
     text_ids (Np,) long: normalised prompt transcript ids; speech_tokens (P,) long; speech_feat
     (2P, 80) float: 24 kHz prompt mel; embedding (192,) float: CAM++ x-vector.
@@ -71,7 +71,10 @@ class CosyVoice2:
 
     @torch.inference_mode()
     def mel_to_wave(self, mel: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
-        """HiFT on mel (80, F), after the non-streaming speed change of 6.9; returns (480 * F',) floats."""
+        """HiFT on mel (80, F), after the non-streaming speed change; returns (480 * F',) floats.
+
+        See docs/model.md §6.8.
+        """
         mel = mel[None].float().to(self.hift.conv_pre.bias.device)
         if speed != 1.0:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")

@@ -2,7 +2,7 @@
 
 Module names follow ``llm.pt``: ``llm_embedding`` (row 0 sos, row 1 task id), ``llm.model`` (a
 transformers ``Qwen2ForCausalLM``), ``llm_decoder`` (speech head with bias) and ``speech_embedding``.
-Inference map: section 4.
+See docs/model.md §4.
 """
 
 from collections.abc import Iterator
@@ -41,7 +41,7 @@ class Qwen2Encoder(nn.Module):
         """Re-tie the text embedding after ``load_state_dict(assign=True)`` split the tied pair.
 
         Upstream copies ``lm_head.weight`` last into the shared tensor, so its effective text
-        embedding is the ``lm_head`` copy (inference map 13.1); tie to that one.
+        embedding is the ``lm_head`` copy (docs/model.md §1.2); tie to that one.
         """
         if self.model.config.tie_word_embeddings:
             self.model.model.embed_tokens.weight = self.model.lm_head.weight
@@ -82,7 +82,7 @@ class Qwen2LM(nn.Module):
     ) -> torch.Tensor:
         """The zero-shot prefix [sos | prompt text + text | task id | prompt speech] as (L0, D).
 
-        Takes 1-D long tensors. Prompt text and TTS text were tokenized separately (section 4.3).
+        Takes 1-D long tensors. Prompt text and TTS text were tokenized separately (docs/model.md §4.2).
         """
         text = torch.cat([prompt_text_ids, text_ids]).to(self.llm_embedding.weight.device)
         speech = prompt_speech_tokens.to(self.llm_embedding.weight.device)
@@ -103,7 +103,7 @@ class Qwen2LM(nn.Module):
         prompt_speech_tokens: torch.Tensor,
         generator: torch.Generator | None = None,
     ) -> Iterator[int]:
-        """Decode speech tokens one by one with a KV cache (section 4.5), batch 1.
+        """Decode speech tokens one by one with a KV cache (docs/model.md §4.4), batch 1.
 
         Yields ints in [0, 6560]; stops on a stop token (not yielded) or after ``max_len`` tokens.
         """

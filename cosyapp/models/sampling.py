@@ -1,6 +1,6 @@
 """Speech-token sampling of CosyVoice 2: nucleus + top-k draw with repetition-aware fallback (RAS).
 
-Upstream's rule (inference map, section 4.6, HEAD behaviour):
+Upstream's rule (docs/model.md §4.5, upstream's current behaviour):
 
 1. before ``min_len`` generated tokens, the EOS logit (6561) is masked; 6562/6563 stay allowed;
 2. draw from the shortest prefix of the probability-sorted vocabulary whose mass reaches ``top_p``
@@ -24,7 +24,7 @@ STOP_TOKENS = (6561, 6562, 6563)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The yaml's ``ras_sampling`` arguments plus the LM's length ratios (section 4.4)."""
+    """The yaml's ``ras_sampling`` arguments plus the LM's length ratios (docs/model.md §4.3)."""
 
     top_p: float = 0.8
     top_k: int = 25

@@ -53,7 +53,7 @@ class EngineRestartingError(BusyError):
 def export_for_vllm(
     lm: Qwen2LM, source_dir: Path, cache_root: Path, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
-    """Write (or reuse) the HF-style folder vLLM loads for ``lm``, and return it (inference map 5.1).
+    """Write (or reuse) the HF-style folder vLLM loads for ``lm``, and return it (docs/model.md §5.1).
 
     The folder holds ``config.json`` (the backbone config with vocab 6564, untied, no bos/eos ids,
     architecture ``CosyVoice2ForCausalLM``) and ``model.safetensors`` in ``dtype``: the backbone with

@@ -31,7 +31,7 @@ RAS_ARG = "cosyapp_ras"  # key in vLLM's SamplingParams.extra_args
 
 
 class CosyVoice2ForCausalLM(Qwen2ForCausalLM):
-    """vLLM's Qwen2 with upstream's speech head: ``lm_head`` has a bias (inference map 5.2).
+    """vLLM's Qwen2 with upstream's speech head: ``lm_head`` has a bias (docs/model.md §5.2).
 
     Checkpoint names are the exported ones: ``model.*`` (backbone with the speech embedding as
     ``embed_tokens``), ``lm_head.weight`` and ``lm_head.bias``.

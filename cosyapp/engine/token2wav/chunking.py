@@ -1,8 +1,8 @@
 """How one stream is cut into chunks: the token hop schedule, a chunk-consistent speed change, and
-the HiFT overlap that joins consecutive chunks (inference map 8.3).
+the HiFT overlap that joins consecutive chunks (docs/model.md §8.3-8.5).
 
 All three are per-stream state. Upstream keeps the hop on the model object, so a second request
-starts where the first one left off (8.3, quirk); here every stream owns its schedule.
+starts where the first one left off (docs/model.md §8.3); here every stream owns its schedule.
 """
 
 import math
@@ -26,7 +26,7 @@ _FADE_IN, _FADE_OUT = _FADE[:SOURCE_CACHE_SAMPLES], _FADE[SOURCE_CACHE_SAMPLES:]
 
 @dataclass
 class ChunkSchedule:
-    """Which tokens each streaming flow call covers (inference map 8.3).
+    """Which tokens each streaming flow call covers (docs/model.md §8.3).
 
     Hops: first_hop + pad, then doubling up to MAX_HOP (25 + pad, 50, 100, 100, ... by default), where
     pad = ceil(P / 25) * 25 - P makes the first call end on an encoder chunk boundary. A chunk call
@@ -75,7 +75,7 @@ class ChunkSchedule:
 
 
 class StreamingSpeedChange:
-    """Linear time-stretch (inference map 6.9) of a mel that arrives chunk by chunk.
+    """Linear time-stretch (docs/model.md §6.8) of a mel that arrives chunk by chunk.
 
     Output frame j reads source position s_j = (j + 0.5) * speed - 0.5 (clamped at 0), PyTorch's
     linear rule with align_corners=False, on the global frame grid of the whole stream. Each push
