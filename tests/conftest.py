@@ -1,21 +1,16 @@
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-REFERENCE_DIR = Path(os.environ.get("COSYAPP_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
+# Facts about the official CosyVoice2-0.5B files: each weight file's tensor names and shapes, and the
+# yaml's hyperparameters (see data/README.md).
+MANIFESTS = Path(__file__).resolve().parent / "data"
 
 
-def _load_manifest(name: str) -> dict[str, list[int]]:
-    path = REFERENCE_DIR / f"{name}.json"
-    if not path.is_file():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"checkpoint manifest {path} is missing (required under CI=true)")
-        pytest.skip(f"checkpoint manifest {path} not present")
-    data = json.loads(path.read_text())
+def _load_manifest(name: str) -> dict:
+    data = json.loads((MANIFESTS / f"{name}.json").read_text())
     return {k: v for k, v in data.items() if not k.startswith("total_params") and not k.startswith("_")}
 
 
@@ -31,7 +26,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def manifest():
-    """manifest("llm.pt") -> {tensor name: shape} from ../shared/reference."""
+    """manifest("llm.pt") -> {tensor name: shape}; manifest("cosyvoice2.yaml") -> the yaml's values."""
     return _load_manifest
 
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from cosyapp.modelgen.tiny import write_official_configs, write_tokenizer
+from cosyapp.modelgen.yaml_template import OFFICIAL, render_yaml
 from cosyapp.models.checkpoint import build_networks, load_model
 from cosyapp.models.cosyvoice2 import PromptInputs
+from cosyapp.models.hyperyaml import Tagged, read_hyperyaml
 
 
 def shapes(module: torch.nn.Module, prefix: str = "") -> dict[str, list[int]]:
@@ -33,6 +35,34 @@ def test_flow_has_exactly_the_tensors_of_flow_pt(official_networks, manifest):
 
 def test_hift_has_exactly_the_tensors_of_hift_pt(official_networks, manifest):
     assert shapes(official_networks[2]) == manifest("hift.pt")
+
+
+def mismatches(expected, got, path: str = "") -> list[str]:
+    """Where the yaml's values ``got`` differ from the manifest's transcription ``expected``."""
+    if isinstance(got, Tagged) and got.target == "omegaconf.DictConfig":
+        got = got["content"]
+    if not isinstance(expected, dict):
+        if isinstance(expected, str) and expected.startswith("<model_dir>"):
+            return []  # a path the loader sets
+        if isinstance(expected, float) and isinstance(got, str):
+            got = float(got)  # YAML 1.1 reads 1e-06 (no dot) as a string; upstream's YAML 1.2 a float
+        return [] if got == expected else [f"{path}: {got!r}, manifest {expected!r}"]
+    found = []
+    for key, value in expected.items():
+        if key.startswith("_"):  # notes and values upstream's Python hard-codes: not in the yaml
+            continue
+        if key in ("class", "function"):
+            found += [] if got.target == value else [f"{path}/{key}: {got.target}, manifest {value}"]
+        else:
+            found += mismatches(value, got[key], f"{path}/{key}")
+    return found
+
+
+@pytest.mark.parametrize("section", ["llm", "flow", "hift", "feat_extractor"])
+def test_official_yaml_declares_the_manifests_hyperparameters(section, manifest, tmp_path):
+    path = tmp_path / "cosyvoice2.yaml"
+    path.write_text(render_yaml(OFFICIAL))
+    assert mismatches(manifest("cosyvoice2.yaml")[section], read_hyperyaml(path)[section]) == []
 
 
 def random_state(names_to_shapes: dict[str, list[int]], seed: int) -> dict[str, torch.Tensor]:
