@@ -1,0 +1,247 @@
+"""The streaming flow on a CUDA device, CosyVoice2-0.5B sizes with random weights: recompute against
+incremental (engine/token2wav/flow_cache.py). Prints JSON lines and writes them to the file given.
+
+    PYTHONPATH=$PWD python scripts/flow_cache_speed.py [out.json]
+
+For B streams of one sentence each (3 s prompt, 260 tokens, upstream's hop schedule 25 + pad, 50,
+100, 100, rest), every chunk call of the schedule is timed both ways, fp16 autocast, eager:
+- recompute: each call re-runs the flow over prompt + every token so far (as upstream);
+- incremental: each call computes only its new frames, the streams starting from their voice's
+  shared prompt pages.
+Also: achieved TFLOP/s per call (torch's FlopCounterMode), the accuracy of each path against float32
+recompute, and how far the chunk-masked incremental final chunk is from upstream's full-attention one.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from cosyapp.engine.token2wav.flow_cache import (
+    FlowCache,
+    FlowItem,
+    KVPool,
+    incremental_flow,
+    raw_estimator,
+    voice_frames,
+)
+from cosyapp.models.flow import CausalMaskedDiffWithXvec
+
+# FLOW_CACHE_SMOKE=1: a quick run of every path on the CPU (no timing value), to check the script.
+SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
+BATCHES = (1, 2) if SMOKE else (1, 16, 64)
+
+
+def autocast():
+    return torch.autocast(DEVICE.type, dtype=torch.float16, enabled=not SMOKE)
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def schedule(prompt_len: int, total: int, first_hop: int = 25) -> list[tuple[int, bool]]:
+    calls, offset, hop = [], 0, first_hop
+    while True:
+        size = hop + (-(prompt_len + offset + hop) % 25)
+        if offset + size + LOOKAHEAD > total:
+            break
+        calls.append((offset + size + LOOKAHEAD, False))
+        offset += size
+        hop = min(100, 2 * hop)
+    calls.append((total, True))
+    return calls
+
+
+def voice(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 6561, (PROMPT,), generator=g).to(DEVICE),
+        (torch.randn(2 * PROMPT, 80, generator=g) - 5).to(DEVICE),
+        torch.randn(192, generator=g).to(DEVICE),
+    )
+
+
+def recompute(flow, v, tokens: torch.Tensor, batch: int, final: bool, streaming: bool = True, fp16=True):
+    speech, feat, emb = v
+    full = lambda n: torch.full((batch,), n, device=DEVICE)  # noqa: E731
+    with torch.inference_mode(), torch.autocast(DEVICE.type, dtype=torch.float16, enabled=fp16 and not SMOKE):
+        mel, _ = flow.inference(
+            token=tokens.expand(batch, -1),
+            token_len=full(tokens.numel()),
+            prompt_token=speech.expand(batch, -1),
+            prompt_token_len=full(PROMPT),
+            prompt_feat=feat.expand(batch, -1, -1),
+            prompt_feat_len=full(2 * PROMPT),
+            embedding=emb.expand(batch, -1),
+            streaming=streaming,
+            finalize=final,
+        )
+    return mel
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, (time.perf_counter() - start) * 1000
+
+
+def flops(fn) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def start_caches(flow, pool, v, batch: int) -> list[FlowCache]:
+    speech, feat, emb = v
+    seed = FlowCache()
+    prompt_item = FlowItem(
+        seed, speech, feat, emb, speech[:0], False, commit_to=voice_frames(PROMPT, 25, 3, 2)
+    )
+    with autocast():
+        incremental_flow(flow, pool, [prompt_item])
+    caches = []
+    for _ in range(batch):
+        pool.retain(seed.pages)
+        caches.append(FlowCache(list(seed.pages), seed.tails.clone(), seed.frames))
+    pool.release(seed.pages)
+    return caches
+
+
+def incremental(flow, pool, v, caches, tokens, final):
+    speech, feat, emb = v
+    items = [FlowItem(c, speech, feat, emb, tokens, final) for c in caches]
+    with autocast():
+        return incremental_flow(flow, pool, items)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
+    diff = (a.float() - b.float()).abs()
+    return {
+        "max_abs": diff.max().item(),
+        "rms_rel": (diff.pow(2).mean() / b.float().pow(2).mean()).sqrt().item(),
+    }
+
+
+@torch.inference_mode()
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "flow-cache-speed.json"
+    torch.manual_seed(0)
+    flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
+    est = raw_estimator(flow)
+    page_bytes = KVPool.page_bytes(est, flow.decoder.n_timesteps, torch.float16)
+    rows = []
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    v = voice()
+    tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    calls = schedule(PROMPT, TOKENS)
+    emit({"check": "setup", "page_bytes": page_bytes, "calls": calls})
+
+    # Accuracy, one stream: incremental fp16 and fp32 against recompute fp32, chunk by chunk.
+    pool32 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float32)
+    pool16 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float16)
+    c32, c16 = FlowCache(), FlowCache()
+    for n, final in calls:
+        want = recompute(flow, v, tokens[:n], 1, final, fp16=False)[0]
+        [(m32, s32)] = incremental_flow(flow, pool32, [FlowItem(c32, *v, tokens[:n], final)])
+        with autocast():
+            [(m16, s16)] = incremental_flow(flow, pool16, [FlowItem(c16, *v, tokens[:n], final)])
+        cut = lambda m, s: m[:, max(0, 2 * PROMPT - s) :]  # noqa: E731
+        ref = want[:, max(0, s32 - 2 * PROMPT) :]
+        row = {"check": "accuracy", "tokens": n, "final": final}
+        row["incremental_fp32_vs_recompute_fp32"] = relative(cut(m32, s32), ref)
+        row["incremental_fp16_vs_recompute_fp32"] = relative(cut(m16, s16), ref)
+        if final:
+            # Upstream's last call attends over everything (non-streaming masks).
+            upstream = recompute(flow, v, tokens[:n], 1, True, streaming=False, fp16=False)[0]
+            row["chunk_masked_final_vs_full_attention_final"] = relative(
+                cut(m32, s32), upstream[:, -ref.shape[1] :]
+            )
+            row["full_attention_final_frames"] = ref.shape[1]
+        emit(row)
+    pool32.release(c32.pages), pool16.release(c16.pages)
+    del pool32, pool16
+
+    for batch in BATCHES:
+        measure_batch(flow, v, tokens, calls, batch, emit)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+
+
+def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
+    """Every call of the schedule for `batch` streams, recompute and incremental."""
+    est = raw_estimator(flow)
+    pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
+    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    warm = start_caches(flow, pool, v, batch)  # one pass of the whole schedule first: kernels, allocator
+    for n, final in calls:
+        incremental(flow, pool, v, warm, tokens[:n], final)
+    for c in warm:
+        pool.release(c.pages)
+    caches = start_caches(flow, pool, v, batch)
+    totals = {"recompute_ms": 0.0, "incremental_ms": 0.0}
+    for n, final in calls:
+        recompute(flow, v, tokens[:n], batch, final)  # warm-up of this shape
+        _, rec_ms = timed(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
+        rec_flops = flops(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
+        probe = FlowCache(list(caches[0].pages), caches[0].tails, caches[0].frames)
+        pool.retain(probe.pages)
+        inc_flops = batch * flops(lambda: incremental(flow, pool, v, [probe], tokens[:n], final))  # noqa: B023
+        pool.release(probe.pages)
+        result, inc_ms = timed(lambda: incremental(flow, pool, v, caches, tokens[:n], final))  # noqa: B023
+        assert result is not None, "pool too small"
+        totals["recompute_ms"] += rec_ms
+        totals["incremental_ms"] += inc_ms
+        emit(
+            {
+                "check": "speed",
+                "batch": batch,
+                "tokens": n,
+                "final": final,
+                "new_frames": result[0][0].shape[1],
+                "recompute_frames": 2 * (PROMPT + n - (0 if final else LOOKAHEAD)),
+                "recompute_ms": round(rec_ms, 2),
+                "incremental_ms": round(inc_ms, 2),
+                "recompute_tflops": round(rec_flops / rec_ms / 1e9, 1),
+                "incremental_tflops": round(inc_flops / inc_ms / 1e9, 1),
+            }
+        )
+    audio_s = batch * TOKENS / 25
+    emit(
+        {
+            "check": "sentence",
+            "batch": batch,
+            **{k: round(x, 1) for k, x in totals.items()},
+            "recompute_audio_s_per_s": round(audio_s / totals["recompute_ms"] * 1000, 1),
+            "incremental_audio_s_per_s": round(audio_s / totals["incremental_ms"] * 1000, 1),
+            "pages_used": pages - pool.free_pages,
+        }
+    )
+    for c in caches:
+        pool.release(c.pages)
+
+
+if __name__ == "__main__":
+    main()

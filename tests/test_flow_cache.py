@@ -1,0 +1,177 @@
+"""The incremental streaming flow gives the recompute path's frames (tiny model, float32)."""
+
+import pytest
+import torch
+
+from cosyapp.engine.token2wav.flow_cache import (
+    FlowCache,
+    FlowItem,
+    KVPool,
+    VoicePages,
+    incremental_flow,
+    raw_estimator,
+    voice_frames,
+)
+
+PAGE = 50  # frames per chunk (25 tokens x 2)
+LOOKAHEAD = 3
+
+
+def prompt(tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 6561, (tokens,), generator=g),
+        torch.randn(2 * tokens, 80, generator=g) - 5.0,
+        torch.randn(192, generator=g),
+    )
+
+
+def recompute(flow, p, tokens: torch.Tensor, final: bool) -> torch.Tensor:
+    """All frames after the prompt from one streaming-mask pass over the prefix (the recompute path)."""
+    speech, feat, emb = p
+    mel, mel_len = flow.inference(
+        token=tokens[None],
+        token_len=torch.tensor([len(tokens)]),
+        prompt_token=speech[None],
+        prompt_token_len=torch.tensor([len(speech)]),
+        prompt_feat=feat[None],
+        prompt_feat_len=torch.tensor([len(feat)]),
+        embedding=emb[None],
+        streaming=True,
+        finalize=final,
+    )
+    return mel[0, :, : int(mel_len[0])]
+
+
+def schedule(prompt_len: int, total: int, first_hop: int) -> list[tuple[int, bool]]:
+    """(tokens handed over, final) per call: chunk calls end on 25-token boundaries, as ChunkSchedule."""
+    calls, offset, hop = [], 0, first_hop
+    while True:
+        size = hop + (-(prompt_len + offset + hop) % 25)
+        if offset + size + LOOKAHEAD > total:
+            break
+        calls.append((offset + size + LOOKAHEAD, False))
+        offset += size
+        hop = min(100, 2 * hop)
+    calls.append((total, True))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model):
+    est = raw_estimator(tiny_model.flow)
+    return KVPool(
+        est,
+        pages=64,
+        steps=tiny_model.flow.decoder.n_timesteps,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
+def stream_frames(flow, pool, p, tokens, calls, voices=None, key=None):
+    """Run one stream's calls incrementally; returns the frames after the prompt, call by call."""
+    speech, feat, emb = p
+    cache = FlowCache()
+    if voices is not None:
+        start_from_voice(flow, pool, voices, key, p, cache)
+    out = []
+    for n, final in calls:
+        item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
+        [(mel, start)] = incremental_flow(flow, pool, [item])
+        out.append((start, mel))
+    pool.release(cache.pages)
+    return out
+
+
+def start_from_voice(flow, pool, voices, key, p, cache):
+    speech, feat, emb = p
+    entry = voices.get(key)
+    if entry is None:
+        frames = voice_frames(len(speech), 25, LOOKAHEAD, 2)
+        seed = FlowCache()
+        item = FlowItem(seed, speech, feat, emb, speech[:0], False, commit_to=frames)
+        incremental_flow(flow, pool, [item])
+        from cosyapp.engine.token2wav.flow_cache import VoiceEntry
+
+        entry = VoiceEntry(seed.pages, seed.tails, seed.frames)
+        voices.put(key, entry)
+    pool.retain(entry.pages)
+    cache.pages, cache.tails, cache.frames = list(entry.pages), entry.tails.clone(), entry.frames
+
+
+def assert_after_prompt(mel: torch.Tensor, start: int, whole: torch.Tensor, prompt_frames: int):
+    """The call's frames from `start` on, after the prompt, against the recompute path's."""
+    assert_close(mel[:, max(0, prompt_frames - start) :], whole[:, max(0, start - prompt_frames) :])
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor):
+    scale = want.abs().max()
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * scale, float((got - want).abs().max() / scale)
+
+
+@pytest.mark.parametrize("prompt_len,first_hop", [(75, 25), (37, 25), (50, 10), (12, 15)])
+def test_every_call_gives_the_recompute_frames(tiny_model, pool, prompt_len, first_hop):
+    flow = tiny_model.flow
+    p = prompt(prompt_len, seed=prompt_len)
+    tokens = torch.randint(0, 6561, (190,), generator=torch.Generator().manual_seed(1))
+    calls = schedule(prompt_len, len(tokens), first_hop)
+    free = pool.free_pages
+    for (n, final), (start, mel) in zip(calls, stream_frames(flow, pool, p, tokens, calls), strict=True):
+        whole = recompute(flow, p, tokens[:n], final)
+        assert_after_prompt(mel, start, whole, 2 * prompt_len)
+    assert pool.free_pages == free
+
+
+def test_a_batch_of_new_and_continuing_streams_matches_each_alone(tiny_model, pool):
+    flow = tiny_model.flow
+    prompts = [prompt(75, 1), prompt(40, 2), prompt(75, 3)]
+    tokens = [
+        torch.randint(0, 6561, (150,), generator=torch.Generator().manual_seed(10 + i)) for i in range(3)
+    ]
+    caches = [FlowCache() for _ in prompts]
+    # Stream 0 has one chunk already; streams 1 and 2 start now, in the same call.
+    first = FlowItem(caches[0], *prompts[0], tokens[0][:28], False)
+    incremental_flow(flow, pool, [first])
+    ends = [78, 35 + LOOKAHEAD, 25 + LOOKAHEAD]
+    items = [FlowItem(c, *p, t[:n], False) for c, p, t, n in zip(caches, prompts, tokens, ends, strict=True)]
+    results = incremental_flow(flow, pool, items)
+    for (mel, start), p, t, n in zip(results, prompts, tokens, ends, strict=True):
+        whole = recompute(flow, p, t[:n], False)
+        assert_after_prompt(mel, start, whole, 2 * len(p[0]))
+    for c in caches:
+        pool.release(c.pages)
+
+
+def test_voice_pages_give_the_frames_of_computing_the_prompt(tiny_model, pool):
+    flow = tiny_model.flow
+    p = prompt(75, 5)
+    voices = VoicePages(pool, max_pages=8)
+    tokens = torch.randint(0, 6561, (120,), generator=torch.Generator().manual_seed(4))
+    calls = schedule(75, len(tokens), 25)
+    for _ in range(2):  # the second stream starts from the voice's pages
+        for (n, final), (start, mel) in zip(
+            calls, stream_frames(flow, pool, p, tokens, calls, voices, "v"), strict=True
+        ):
+            assert start >= 100 if (n, final) == calls[0] else True
+            whole = recompute(flow, p, tokens[:n], final)
+            assert_after_prompt(mel, start, whole, 150)
+    assert voices.get("v").frames == 100
+    voices.clear()
+
+
+def test_a_full_pool_refuses_the_call_and_changes_nothing(tiny_model):
+    flow = tiny_model.flow
+    tiny_pool = KVPool(
+        raw_estimator(flow),
+        pages=1,
+        steps=flow.decoder.n_timesteps,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    p = prompt(75, 6)
+    cache = FlowCache()
+    tokens = torch.randint(0, 6561, (60,), generator=torch.Generator().manual_seed(6))
+    assert incremental_flow(flow, tiny_pool, [FlowItem(cache, *p, tokens[:28], False)]) is None
+    assert cache.frames == 0 and cache.pages == [] and tiny_pool.free_pages == 1
