@@ -60,6 +60,7 @@ def test_the_api_without_a_key_is_a_401_json_error(guarded):
         assert error["code"] == "missing_api_key"
         assert error["message"] == "Missing API key: send it in the header 'Authorization: Bearer <key>'."
     assert httpx.get(f"{base}/v1/audio/voices").status_code == 401
+    assert httpx.delete(f"{base}/v1/audio/voices/user-0123456789ab").status_code == 401
 
 
 def test_a_wrong_key_is_a_401_before_the_body_is_even_parsed(guarded):

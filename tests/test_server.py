@@ -10,6 +10,7 @@ import os
 import struct
 import time
 import wave
+from pathlib import Path
 
 import httpx
 import pytest
@@ -146,7 +147,7 @@ def test_streamed_pcm_is_headerless_and_as_long_as_the_whole_clip(client, clip):
         ({"input": 5}, 422, "input", "valid string"),
         ({"speed": "fast"}, 422, "speed", "valid number"),
         ({"stream": "yes"}, 422, "stream", "valid boolean"),
-        ({"seed": -1}, 400, "seed", "between 0"),
+        ({"seed": -1}, 400, "seed", "whole number from 0 to"),
         ({"temperature": 0.5}, 422, "temperature", "Extra inputs"),
     ],
 )
@@ -210,7 +211,7 @@ def test_a_client_leaving_mid_stream_frees_its_stream_and_aborts_the_lm(client, 
 @pytest.fixture(scope="module")
 def one_stream_app(tmp_path_factory):
     service = make_service(tmp_path_factory, max_streams=1)
-    service.pipeline.max_waiting = 0
+    service.pipeline.admission.max_waiting = 0  # no waiting room: a second request is refused at once
     return service, build_app(service)
 
 
@@ -262,3 +263,50 @@ def test_health_tells_a_start_in_progress_from_a_failed_one():
         ("starting", None),
         ("failed", "RuntimeError: CUDA out of memory"),
     ]
+
+
+AISHELL = Path(__file__).resolve().parents[1] / "assets" / "voices" / "zh-aishell-w0121.wav"
+AISHELL_TEXT = "甚至出现交易几乎停滞的情况"
+
+
+def listed_voices(client) -> set[str]:
+    return {v["id"] for v in client.get("/v1/audio/voices").json()["data"]}
+
+
+def test_a_shared_voice_is_deleted_through_the_api_and_is_gone(client, service):
+    info = service.voices.save("Team voice", str(AISHELL), AISHELL_TEXT, session="s1", shared=True)
+    assert info.id in listed_voices(client)
+    response = client.delete(f"/v1/audio/voices/{info.id}")
+    assert response.status_code == 200
+    assert response.json() == {"id": info.id, "object": "voice", "deleted": True}
+    assert info.id not in listed_voices(client)
+    speaking = speech(client, voice=info.id)
+    assert speaking.status_code == 404 and speaking.json()["error"]["param"] == "voice"
+    again = client.delete(f"/v1/audio/voices/{info.id}")
+    assert again.status_code == 404 and again.json()["error"] == {
+        "message": f"Voice {info.id!r} not found; pick one of the listed voices.",
+        "type": "not_found_error",
+        "param": "voice",
+        "code": None,
+    }
+
+
+def test_deleting_a_voice_the_api_cannot_see_is_a_404_and_keeps_it(client, service):
+    private = service.voices.save("Mine", str(AISHELL), AISHELL_TEXT, session="s2", shared=False)
+    for voice_id in [private.id, "user-0123456789ab", "nobody", "..%2F..%2Fetc"]:
+        response = client.delete(f"/v1/audio/voices/{voice_id}")
+        assert response.status_code == 404, voice_id
+        assert response.json()["error"]["type"] == "not_found_error"
+    assert service.voices.get(private.id, "s2").info.name == "Mine"
+
+
+def test_built_in_voices_cannot_be_deleted(client):
+    response = client.delete(f"/v1/audio/voices/{VOICE}")
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": f"Voice {VOICE!r} comes with the server and cannot be deleted; only saved voices can.",
+        "type": "invalid_request_error",
+        "param": "voice",
+        "code": None,
+    }
+    assert VOICE in listed_voices(client)

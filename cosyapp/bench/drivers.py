@@ -188,10 +188,12 @@ class GradioDriver:
 
     def _run(self, text: str, api_name: str, seeds: list[int], on_done: OnDone) -> list[RequestResult]:
         starts, jobs = [], []
-        for client, seed in zip(self.clients[: len(seeds)], seeds, strict=True):
-            # The page's form: text, voice, recording, its transcript, speed, seed, session.
+        for user, (client, seed) in enumerate(zip(self.clients[: len(seeds)], seeds, strict=True)):
+            # The page's form: text, voice, recording, its transcript, speed, seed, session. Each
+            # client sends a session id as a browser tab does, so fair admission tells them apart.
             starts.append(time.perf_counter())
-            jobs.append(client.submit(text, self.voice_id, None, "", 1.0, seed, "", api_name=api_name))
+            form = (text, self.voice_id, None, "", 1.0, seed, f"bench-{user}")
+            jobs.append(client.submit(*form, api_name=api_name))
         results = [RequestResult() for _ in jobs]
         samples = [0] * len(jobs)
         seen = [0] * len(jobs)

@@ -17,9 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 
-
-class BusyError(RuntimeError):
-    """The pipeline is at its admission limits; the message says to try again."""
+from cosyapp.errors import BusyError as BusyError  # raised here, shown to the user at the edges
 
 
 class FairAdmission:

@@ -12,9 +12,8 @@ error in one request ends only that request.
 import asyncio
 import hashlib
 import secrets
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,31 +22,13 @@ from cosyapp.engine.admission import BusyError as BusyError  # callers take it w
 from cosyapp.engine.admission import FairAdmission
 from cosyapp.engine.lm.base import LMRequest, SpeechTokenLM
 from cosyapp.engine.metrics import Metrics, RequestRecord
+from cosyapp.engine.request import MAX_SEED, SynthesisRequest, check_options
+from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for callers of the Pipeline
+from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
-from cosyapp.frontend.voices import Voice
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
-
-MIN_SPEED, MAX_SPEED = 0.5, 2.0
-MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class SynthesisRequest:
-    """What a session asks for. ``seed`` None draws a fresh one; the same seed gives the same audio.
-
-    ``client`` names who asks (a session, an API key, an address) for fair admission; None counts
-    the request as a client of its own.
-    """
-
-    text: str
-    voice: Voice
-    speed: float = 1.0
-    seed: int | None = None
-    streaming: bool = True
-    client: str | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass(frozen=True)
@@ -57,14 +38,6 @@ class AudioChunk:
     samples: np.ndarray
     sample_rate: int
     sentence: int
-
-
-def check_options(speed: float | None, seed: float | None) -> None:
-    """Raise ValueError, with a message for the user, when speed or a given seed is out of range."""
-    if speed is None or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed}")
-    if seed is not None and (seed != int(seed) or not 0 <= seed <= MAX_SEED):
-        raise ValueError(f"the seed must be a whole number from 0 to {MAX_SEED}")
 
 
 def sentence_seed(seed: int, index: int) -> int:

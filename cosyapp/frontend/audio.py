@@ -12,15 +12,13 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from cosyapp.errors import VoiceError
+
 MIN_SAMPLE_RATE = 16_000  # the speech tokenizer and CAM++ work at 16 kHz; upstream never upsamples
 MIN_PROMPT_SECONDS = 1.0  # shorter prompts give too few tokens and frames to clone a voice from
 MAX_PROMPT_SECONDS = 30.0  # the speech tokenizer's limit
 SILENCE_PEAK = 1e-3  # -60 dBFS: a peak below this is silence or a muted microphone
 MAX_FILE_MB = 20  # a 30 s prompt is ~5 MB as 44.1 kHz stereo 16-bit WAV
-
-
-class VoiceError(ValueError):
-    """A prompt recording the frontend cannot use; the message is written for the user."""
 
 
 class UnreadableAudioError(VoiceError):

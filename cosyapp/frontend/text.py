@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosyapp.errors import TextError as TextError  # raised here, caught at the edges
 from cosyapp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,27 @@ _BREAK_AFTER = re.compile(r"(?<=[\s,，、])")
 _SUPPORTED_LETTER = r"[\p{Latin}\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}]"
 
 
-class TextError(ValueError):
-    """Text the frontend cannot synthesise; the message is written for the user."""
+def check_text(text: str, max_chars: int) -> None:
+    """Raise ``TextError`` if ``text`` is empty (or only whitespace and control characters), longer
+    than ``max_chars``, has nothing to read aloud (no letter or digit: only punctuation, symbols or
+    emoji), or has letters only in scripts the model was not trained on. Cheap: no normalisation."""
+    if not remove_control_characters(text).strip():
+        raise TextError("The text is empty: type what the voice should say.")
+    if len(text) > max_chars:
+        raise TextError(
+            f"The text is {len(text):,} characters long; the limit is {max_chars:,}. "
+            "Shorten it or send it in parts."
+        )
+    if has_nothing_to_read(text):
+        raise TextError(
+            "The text has nothing to read aloud: it has no letters or digits, only punctuation, "
+            "symbols or emoji."
+        )
+    if (script := unsupported_script(text)) is not None:
+        raise TextError(
+            f"The text is written in a script this model cannot read ({script}). CosyVoice 2 reads "
+            "Chinese, English, Japanese and Korean."
+        )
 
 
 @dataclass(frozen=True)
@@ -138,27 +158,10 @@ class TextFrontend:
     def prepare(self, text: str) -> list[Sentence]:
         """Validate the user's text, then split it into sentences with their token ids.
 
-        Raises ``TextError`` if the text is empty (or only whitespace and control characters), longer
-        than ``max_chars``, has nothing to read aloud (no letter or digit: only punctuation, symbols
-        or emoji), or has letters only in scripts the model was not trained on.
+        Raises ``TextError`` for text ``check_text`` refuses (with ``max_chars``), or that has
+        nothing to read aloud once normalised.
         """
-        if not remove_control_characters(text).strip():
-            raise TextError("The text is empty: type what the voice should say.")
-        if len(text) > self.max_chars:
-            raise TextError(
-                f"The text is {len(text):,} characters long; the limit is {self.max_chars:,}. "
-                "Shorten it or send it in parts."
-            )
-        if has_nothing_to_read(text):
-            raise TextError(
-                "The text has nothing to read aloud: it has no letters or digits, only punctuation, "
-                "symbols or emoji."
-            )
-        if (script := unsupported_script(text)) is not None:
-            raise TextError(
-                f"The text is written in a script this model cannot read ({script}). CosyVoice 2 reads "
-                "Chinese, English, Japanese and Korean."
-            )
+        check_text(text, self.max_chars)
         sentences = [Sentence(s, tuple(self.tokenize(s))) for s in self.split(text)]
         if not sentences:
             raise TextError("The text has nothing to read aloud once normalised.")

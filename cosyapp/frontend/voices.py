@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from cosyapp.errors import VoiceError, VoiceNotFoundError
 from cosyapp.frontend.features import VoiceFeatures
 from cosyapp.frontend.text import remove_control_characters
 from cosyapp.models.cosyvoice2 import PromptInputs
@@ -41,11 +42,7 @@ MAX_SYLLABLES_PER_S = 12.0
 MIN_SYLLABLES_PER_S = 0.2
 
 
-class VoiceNotFoundError(KeyError):
-    """No voice with this id is visible to the asking session."""
-
-
-class PromptTextError(ValueError):
+class PromptTextError(VoiceError):
     """A transcript that is missing, too long, or obviously not that of its recording."""
 
 
@@ -86,7 +83,7 @@ def sanitize_name(name: str) -> str:
     text = re.sub(r"[<>/\\`]", "", text)
     text = " ".join(text.split())[:MAX_NAME_CHARS].strip()
     if not text:
-        raise ValueError("give the voice a name made of letters, digits or punctuation")
+        raise VoiceError("give the voice a name made of letters, digits or punctuation")
     return text
 
 
@@ -224,7 +221,7 @@ class VoiceLibrary:
             "id": f"user-{uuid.uuid4().hex[:12]}",
             "name": name,
             "prompt_text": prompt_text,
-            "owner": None if shared else session,
+            "owner": session,  # a shared voice stays its saver's to delete
             "shared": shared,
             "features": audio_hash(recording),
         }
@@ -236,9 +233,10 @@ class VoiceLibrary:
         return _user_info(meta)
 
     def delete(self, voice_id: str, session: str | None) -> None:
-        """Remove a user voice saved by ``session`` (shared ones cannot be removed by a session)."""
+        """Remove a user voice saved by ``session``, or with ``session`` None (the HTTP API, behind its
+        key) a shared one. Raises ``VoiceNotFoundError`` for any other id."""
         meta = self._user_meta(voice_id)
-        if meta is None or meta["owner"] is None or meta["owner"] != session:
+        if meta is None or not (meta["shared"] if session is None else meta["owner"] == session):
             raise VoiceNotFoundError(voice_id)
         folder = self.user_dir / voice_id
         (folder / "meta.json").unlink()

@@ -11,6 +11,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosyapp.web.api_errors import error_response
+
 API_PREFIX = "/v1/"
 # JSON may escape one character of text as a surrogate pair ("\ud83d\ude00", 12 bytes); the other
 # fields of a request take a few hundred bytes.
@@ -21,14 +23,6 @@ OTHER_FIELDS_BYTES = 2**16
 def max_body_bytes(max_text_chars: int) -> int:
     """The largest body a valid request with at most ``max_text_chars`` characters of text can have."""
     return BYTES_PER_TEXT_CHAR * max_text_chars + OTHER_FIELDS_BYTES
-
-
-def error_response(
-    status: int, message: str, code: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """OpenAI's error object, as its clients expect it."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ApiGuard:
@@ -65,14 +59,14 @@ class ApiGuard:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             message = "Missing API key: send it in the header 'Authorization: Bearer <key>'."
-            return error_response(401, message, "missing_api_key", challenge)
+            return error_response(401, message, code="missing_api_key", headers=challenge)
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            return error_response(401, "Invalid API key.", "invalid_api_key", challenge)
+            return error_response(401, "Invalid API key.", code="invalid_api_key", headers=challenge)
         return None
 
     def _too_large(self) -> JSONResponse:
         message = f"The request body is larger than {self.max_body:,} bytes, more than any valid request."
-        return error_response(413, message, "request_too_large")
+        return error_response(413, message, code="request_too_large")
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, JSONResponse | None]:
         chunks, size, more = [], 0, True

@@ -4,16 +4,16 @@
     GET  /metrics           Prometheus text from the Pipeline's metrics
     POST /v1/audio/speech   OpenAI-compatible speech: a whole WAV / raw PCM clip, or streamed as produced
     GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
+    DELETE /v1/audio/voices/{id}   delete a shared saved voice (built-in and model voices stay)
 
 ``/v1/*`` sits behind ApiGuard (the API key when one is set, a body size cap); /health and /metrics
-are open. The engines start on the server's own event loop (the vLLM engine stays bound to it), in
-the lifespan.
+are open. Errors are answered as OpenAI's error JSON (``api_errors``). The engines start on the
+server's own event loop (the vLLM engine stays bound to it), in the lifespan.
 """
 
 import asyncio
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -23,29 +23,26 @@ from typing import Any
 
 import anyio
 import gradio as gr
-import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.middleware import Middleware
 
+from cosyapp.codec import pcm16, wav_header
 from cosyapp.engine.build import choose_engine
-from cosyapp.engine.pipeline import MAX_SEED, MAX_SPEED, MIN_SPEED, AudioChunk, BusyError, SynthesisRequest
-from cosyapp.frontend.text import TextError
-from cosyapp.frontend.voices import VoiceNotFoundError
+from cosyapp.engine.pipeline import AudioChunk
+from cosyapp.engine.request import SynthesisRequest, check_request
+from cosyapp.errors import ParamError, VoiceError
 from cosyapp.service import Service
+from cosyapp.web.api_errors import HANDLERS, ApiRoute
 from cosyapp.web.api_guard import ApiGuard, max_body_bytes
+from cosyapp.web.clients import client_key
 from cosyapp.web.ui import build_demo, launch_options, mount_options
 
 log = logging.getLogger(__name__)
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"
-RETRY_AFTER_S = 1
-UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF/data size of a WAV whose length is not known when the header is sent
 
 
 class SpeechRequest(BaseModel):
@@ -60,21 +57,6 @@ class SpeechRequest(BaseModel):
     response_format: str = "wav"
     stream: bool = False
     seed: int | None = None
-
-
-class ApiError(Exception):
-    """An error the client caused (or a full server), answered as OpenAI's JSON error object."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -97,23 +79,6 @@ class EngineStart:
             return None
         error = self.task.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
-    """The 44-byte header of 16-bit mono PCM; ``data_bytes`` None (a stream) writes 0xFFFFFFFF sizes."""
-    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
-    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
-    return struct.pack(
-        "<4sI4s4sIHHIIHH4sI",
-        b"RIFF", riff, b"WAVE",
-        b"fmt ", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16,
-        b"data", data,
-    )  # fmt: skip
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float samples in [-1, 1] -> little-endian int16 bytes."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
 class AudioStream(StreamingResponse):
@@ -161,36 +126,20 @@ def speech_route(service: Service):
         """Speak ``input`` in ``voice``: 24 kHz mono 16-bit WAV or raw PCM, whole or streamed."""
         if body.response_format not in MEDIA_TYPES:
             supported = ", ".join(MEDIA_TYPES)
-            message = f"response_format {body.response_format!r} is not supported; use one of: {supported}"
-            raise ApiError(400, message, "response_format")
-        if not MIN_SPEED <= body.speed <= MAX_SPEED:
-            raise ApiError(
-                400, f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {body.speed}", "speed"
-            )
-        if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
-            raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", "seed")
-        try:
-            voice = await asyncio.to_thread(service.voices.get, body.voice)
-        except VoiceNotFoundError:
-            message = f"voice {body.voice!r} not found; GET /v1/audio/voices lists the voices"
-            raise ApiError(404, message, "voice", "not_found_error") from None
-        # Fair admission shares the streams among callers, told apart by address.
-        client = f"api:{http.client.host}" if http.client else None
+            message = f"Unsupported response_format {body.response_format!r}; use one of: {supported}."
+            raise ParamError(message, "response_format")
+        check_request(body.input, body.speed, body.seed, service.settings.max_text_chars)
+        voice = await asyncio.to_thread(service.voices.get, body.voice)
+        client = client_key(None, http.client.host if http.client else None)
         request = SynthesisRequest(body.input, voice, body.speed, body.seed, body.stream, client)
         chunks = pipeline.stream(request)
-        try:  # bad text and a full server raise before the first chunk, while a status can still be sent
-            first = await anext(chunks, None)
-        except TextError as e:
-            raise ApiError(400, str(e), "input") from None
-        except BusyError as e:
-            raise ApiError(503, str(e), None, "server_busy") from None
+        # A full server raises before the first chunk, while a status can still be sent.
+        first = await anext(chunks, None)
         if body.stream:
             return AudioStream(chunks, first, body.response_format, pipeline.sample_rate)
         try:
             pieces = [] if first is None else [pcm16(first.samples)]
             pieces += [pcm16(chunk.samples) async for chunk in chunks]
-        except BusyError as e:  # the LM engine failed mid-clip and is restarting
-            raise ApiError(503, str(e), None, "server_busy") from None
         finally:
             await chunks.aclose()
         data = b"".join(pieces)
@@ -251,34 +200,20 @@ def voices_route(service: Service):
     return voices
 
 
-async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's body errors of the API in OpenAI's shape: 400 for a body that is not JSON, else 422.
+def delete_voice_route(service: Service):
+    def delete_voice(voice_id: str) -> dict[str, Any]:
+        """Delete the shared saved voice ``voice_id`` (404 for an id not listed, 400 for a built-in
+        or model voice); answers OpenAI's deletion object."""
+        listed = {info.id: info for info in service.voices.list_voices(None)}
+        info = listed.get(voice_id)
+        if info is not None and info.kind != "user":
+            raise VoiceError(
+                f"Voice {voice_id!r} comes with the server and cannot be deleted; only saved voices can."
+            )
+        service.voices.delete(voice_id, None)
+        return {"id": voice_id, "object": "voice", "deleted": True}
 
-    Other routes (Gradio's, when it serves the app itself) keep FastAPI's answer."""
-    if not request.url.path.startswith("/v1/"):
-        return await request_validation_exception_handler(request, exc)
-    error = exc.errors()[0]
-    if error["type"] == "json_invalid":
-        reason = error.get("ctx", {}).get("error", "")
-        return ApiError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
-    fields = [str(part) for part in error["loc"] if part != "body"]
-    param = ".".join(fields) or None
-    if param:
-        message = f"{param}: {error['msg']}"
-    elif error["type"] == "missing":
-        message = "the body is empty: send a JSON object with at least input and voice"
-    else:
-        message = f"the body must be a JSON object (Content-Type: application/json): {error['msg']}"
-    return ApiError(422, message, param).response()
-
-
-async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return exc.response()
-
-
-async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """Bugs answer a JSON 500 without details; the traceback goes to the log (Starlette re-raises)."""
-    return ApiError(500, "internal server error; see the server log", None, "server_error").response()
+    return delete_voice
 
 
 def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any]:
@@ -309,15 +244,15 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
             log.info("engines stopped")
 
     routes = [
-        APIRoute("/health", health_route(service, start), methods=["GET"]),
-        APIRoute("/metrics", metrics_route(service), methods=["GET"]),
-        APIRoute("/v1/audio/speech", speech_route(service), methods=["POST"]),
-        APIRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
+        ApiRoute("/health", health_route(service, start), methods=["GET"]),
+        ApiRoute("/metrics", metrics_route(service), methods=["GET"]),
+        ApiRoute("/v1/audio/speech", speech_route(service), methods=["POST"]),
+        ApiRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
+        ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
     ]
-    handlers = {RequestValidationError: validation_error, ApiError: api_error, Exception: internal_error}
     settings = service.settings
     guard = Middleware(ApiGuard, api_key=settings.api_key, max_body=max_body_bytes(settings.max_text_chars))
-    return {"lifespan": lifespan, "routes": routes, "exception_handlers": handlers, "middleware": [guard]}
+    return {"lifespan": lifespan, "routes": routes, "exception_handlers": HANDLERS, "middleware": [guard]}
 
 
 def _log_start_failure(task: asyncio.Task) -> None:

@@ -34,7 +34,7 @@ def with_recording(path, prompt_text=TRANSCRIPT) -> tuple:
         ("!!! ???", "The text has nothing to read aloud: it has no letters or digits"),
         ("🎉👍🏽", "The text has nothing to read aloud: it has no letters or digits"),
         ("Привет, мир", "The text is written in a script this model cannot read (Cyrillic)."),
-        ("a" * 5001, "The text has 5001 characters; at most 5000"),
+        ("a" * 5001, "The text is 5,001 characters long; the limit is 5,000. Shorten it or send it"),
     ],
 )
 def test_bad_text_is_a_readable_error(client, text, message):
@@ -72,7 +72,7 @@ def test_a_fractional_seed_is_rounded_by_the_number_field(client, ui):
 
 
 def test_an_unknown_voice_is_a_readable_error(client):
-    with pytest.raises(AppError, match="That voice is not available"):
+    with pytest.raises(AppError, match=re.escape("Voice '../../etc/passwd' not found; pick one")):
         client.predict(*form(voice="../../etc/passwd"), api_name="/speak_clip")
 
 

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cosyapp.codec import wav
 from cosyapp.engine.metrics import Metrics
-from cosyapp.frontend.text import TextError
-from cosyapp.frontend.voices import VoiceNotFoundError
-from cosyapp.web.ui.audio import ClipFolder, ensure_ffmpeg, wav_bytes
-from cosyapp.web.ui.events import request_stats, user_error
+from cosyapp.errors import BusyError, TextError, VoiceError, VoiceNotFoundError
+from cosyapp.web.ui.audio import ClipFolder, ensure_ffmpeg
+from cosyapp.web.ui.events import INTERNAL_ERROR, as_toast, request_stats
 from cosyapp.web.ui.panel import MetricsHistory, history_of, plot_frames, stat_tiles
 
 
 def test_chunks_are_16_bit_mono_wav_of_the_same_samples():
     samples = np.array([0.0, 0.5, -0.5, 1.5, -2.0], np.float32)
-    decoded, rate = sf.read(io.BytesIO(wav_bytes(samples, 24_000)), dtype="int16")
-    info = sf.info(io.BytesIO(wav_bytes(samples, 24_000)))
+    decoded, rate = sf.read(io.BytesIO(wav(samples, 24_000)), dtype="int16")
+    info = sf.info(io.BytesIO(wav(samples, 24_000)))
     assert (rate, info.channels, info.subtype) == (24_000, 1, "PCM_16")
     assert decoded.tolist() == [0, 16384, -16384, 32767, -32767]
 
@@ -54,12 +54,20 @@ def test_stats_line_reports_ttfa_rtf_and_length():
     ("error", "message"),
     [
         (TextError("the text has no speakable characters"), "The text has no speakable characters"),
-        (VoiceNotFoundError("user-0123456789ab"), "That voice is not available"),
-        (ValueError("bad <b>name</b>"), "Bad &lt;b&gt;name&lt;/b&gt;"),
+        (VoiceNotFoundError("user-0123456789ab"), "Voice 'user-0123456789ab' not found; pick one"),
+        (VoiceError("bad <b>name</b>"), "Bad &lt;b&gt;name&lt;/b&gt;"),
+        (BusyError("the server is busy; try again"), "The server is busy; try again"),
     ],
 )
 def test_user_errors_become_readable_escaped_toasts(error, message):
-    assert user_error(error).message.startswith(message)
+    assert as_toast(error).message.startswith(message)
+
+
+@pytest.mark.parametrize("error", [ValueError("bad <b>name</b> at 0x7f"), KeyError("features"), OSError(5)])
+def test_any_other_error_is_a_generic_toast_and_logged_in_full(error, caplog):
+    assert as_toast(error).message == INTERNAL_ERROR
+    (record,) = caplog.records
+    assert record.levelname == "ERROR" and record.exc_info[1] is error
 
 
 def test_one_sampler_per_metrics_and_reading_it_records_nothing():

@@ -1,39 +1,23 @@
-"""Audio plumbing of the web UI: WAV bytes for the streaming player, WAV files to download, ffmpeg.
+"""Audio plumbing of the web UI: WAV files to download, and the ffmpeg Gradio's streaming needs.
 
 Gradio's streaming player re-encodes every chunk with an ffmpeg binary found on PATH, and it treats
 numpy chunks badly (peak-normalised one at a time, cached by content hash), so chunks go out as
-16-bit WAV bytes.
+16-bit WAV bytes (``cosyapp.codec.wav``).
 """
 
-import io
 import logging
 import os
 import shutil
 import tempfile
 import time
 import uuid
-import wave
 from pathlib import Path
 
 import numpy as np
 
+from cosyapp.codec import wav
+
 log = logging.getLogger(__name__)
-
-
-def to_int16(samples: np.ndarray) -> np.ndarray:
-    """Float samples in [-1, 1] as 16-bit PCM (values outside are clipped)."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype(np.int16)
-
-
-def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
-    """A complete mono 16-bit WAV file holding ``samples`` (float32, in [-1, 1])."""
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(sample_rate)
-        out.writeframes(to_int16(samples).tobytes())
-    return buffer.getvalue()
 
 
 class ClipFolder:
@@ -51,7 +35,7 @@ class ClipFolder:
         """Write ``samples`` as ``speech-<id>.wav`` and return its path."""
         self._prune()
         path = self.folder / f"speech-{uuid.uuid4().hex[:10]}.wav"
-        path.write_bytes(wav_bytes(samples, sample_rate))
+        path.write_bytes(wav(samples, sample_rate))
         return path
 
     def _prune(self) -> None:

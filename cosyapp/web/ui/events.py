@@ -1,52 +1,64 @@
 """What the page's events do: turn form values into SynthesisRequests for the shared Pipeline.
 
-Two ways to speak, both named API endpoints:
+Two ways to speak, both named API endpoints taking the fields of ``SpeechForm``:
 - ``speak`` (streaming): one async generator per session, fed by ``Pipeline.stream``; closing it
   (Stop, a closed tab, a cancelled client job) closes the pipeline stream, which aborts its work.
 - ``speak_clip`` (whole clip): a Gradio batch function; the queue hands it every waiting request at
   once and it runs them through ``Pipeline.synthesize_batch``.
 
-Every error a user can cause leaves here as ``gr.Error`` with a readable message.
+Every error leaves here through ``as_toast``: a ``UserError`` with its message, anything else logged
+with its traceback and shown as a generic "internal error".
 """
 
 import asyncio
 import html
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import gradio as gr
 import numpy as np
 
-from cosyapp.engine.pipeline import MAX_SEED, BusyError, SynthesisRequest, check_options
-from cosyapp.frontend.audio import PromptAudio, VoiceError, load_prompt_audio
-from cosyapp.frontend.text import TextError
-from cosyapp.frontend.voices import Voice, VoiceInfo, VoiceNotFoundError, check_prompt_text
+from cosyapp.codec import to_int16, wav
+from cosyapp.engine.request import SynthesisRequest, check_request
+from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
+from cosyapp.frontend.audio import PromptAudio, load_prompt_audio
+from cosyapp.frontend.voices import Voice, VoiceInfo, check_prompt_text
 from cosyapp.service import Service
-from cosyapp.web.ui.audio import ClipFolder, to_int16, wav_bytes
+from cosyapp.web.clients import client_key
+from cosyapp.web.ui.audio import ClipFolder
+from cosyapp.web.ui.form import SpeechForm
 
 log = logging.getLogger(__name__)
 
 RECORDING = "recording"  # speaker-control value: the recording in the form, used without saving it
 RECORDING_LABEL = "The recording below (used as is, not saved)"
-USER_ERRORS = (TextError, VoiceError, VoiceNotFoundError, BusyError, ValueError)
+INTERNAL_ERROR = "Internal error: the server log has the details."
 
 
-def user_error(err: Exception) -> gr.Error:
-    """A toast for an error the user caused (or can wait out); the message is HTML-escaped."""
-    if isinstance(err, VoiceNotFoundError):
-        message = "That voice is not available (it may have been removed); pick another one."
-    else:
-        message = str(err)
-    message = message[:1].upper() + message[1:]
-    # The toast renders HTML; quotes need no escaping in text and would reach API clients as &#x27;.
-    return gr.Error(html.escape(message, quote=False), print_exception=False)
+def as_toast(err: Exception) -> gr.Error:
+    """The UI's one mapping of errors: a ``UserError`` as its message (HTML-escaped: the toast renders
+    HTML; quotes stay, they would reach API clients as &#x27;), anything else logged with its
+    traceback and shown as INTERNAL_ERROR."""
+    if isinstance(err, UserError):
+        return gr.Error(html.escape(err.message, quote=False), print_exception=False)
+    log.error("a UI request failed", exc_info=err)
+    return gr.Error(INTERNAL_ERROR, print_exception=False)
 
 
-def unexpected_error(err: Exception, what: str) -> gr.Error:
-    log.error("%s failed", what, exc_info=err)
-    return gr.Error(f"{what} failed unexpectedly; the server log has the details.", print_exception=False)
+@contextmanager
+def toasts() -> Iterator[None]:
+    """Raise what the block raises as ``as_toast``'s gr.Error."""
+    try:
+        yield
+    except Exception as err:
+        raise as_toast(err) from err
+
+
+def address(http: gr.Request | None) -> str | None:
+    return http.client.host if http is not None and http.client is not None else None
 
 
 def request_stats(
@@ -103,139 +115,107 @@ class Handlers:
         """Validate a new upload or microphone recording and select it as the voice."""
         if recording is None:
             return gr.skip()
-        try:
+        with toasts():
             self.recording_audio(recording)
-        except VoiceError as err:
-            raise user_error(err) from err
         return gr.update(value=RECORDING)
 
     def save_voice(
         self, name: str, recording: str | None, prompt_text: str, shared: bool, session: str
     ) -> tuple[dict, str]:
         """Save the recording as a named voice; returns the updated speaker control and a cleared name."""
-        if recording is None:
-            raise gr.Error("Upload or record a voice prompt first.", print_exception=False)
-        try:
+        with toasts():
+            if recording is None:
+                raise VoiceError("Upload or record a voice prompt first.")
             audio = self.recording_audio(recording)
             info = self.voices.save(name, audio, prompt_text, session or None, shared=shared)
-        except USER_ERRORS as err:
-            raise user_error(err) from err
-        except Exception as err:
-            raise unexpected_error(err, "Saving the voice") from err
         gr.Info(f"Saved “{info.name}”" + (", shared with everyone." if shared else ", visible only to you."))
         return gr.update(choices=self.voice_choices(session), value=info.id), ""
 
+    def delete_voice(self, voice_id: str, session: str) -> dict:
+        """Delete a voice saved in this browser session (shared or not); returns the updated speaker
+        control with its first voice selected."""
+        with toasts():
+            listed = {info.id: info for info in self.voices.list_voices(session or None)}
+            info = listed.get(voice_id)
+            if info is None or info.kind != "user":
+                raise VoiceError("Pick one of your saved voices to delete; the others come with the server.")
+            if not session:  # without one, delete would act for the HTTP API: any shared voice
+                raise VoiceError("Open the page in a browser to delete the voices it saved.")
+            try:
+                self.voices.delete(voice_id, session)
+            except VoiceNotFoundError:
+                message = f"“{info.name}” was saved in another browser; only that browser can delete it."
+                raise VoiceError(message) from None
+        gr.Info(f"Deleted “{info.name}”.")
+        choices = self.voice_choices(session)
+        return gr.update(choices=choices, value=choices[0][1])
+
     def voice(self, voice_id: str, recording: str | None, prompt_text: str, session: str) -> Voice:
-        """The voice chosen in the form. Raises VoiceError, VoiceNotFoundError or ValueError."""
+        """The voice chosen in the form. Raises a VoiceError (VoiceNotFoundError for an unknown id)."""
         if voice_id != RECORDING:
             if not voice_id:
-                raise ValueError("pick a voice")
+                raise VoiceError("Pick a voice.")
             return self.voices.get(voice_id, session or None)
         if recording is None:
-            raise ValueError("upload or record a voice prompt, or pick a voice from the list")
+            raise VoiceError("Upload or record a voice prompt, or pick a voice from the list.")
         audio = self.recording_audio(recording)
         prompt_text = check_prompt_text(prompt_text, audio)
         features = self.voices.features_of(audio)
         info = VoiceInfo(id=RECORDING, name="your recording", kind="user", shared=False)
         return Voice(info, features, prompt_text=prompt_text)
 
-    def request(
-        self,
-        text: str,
-        voice_id: str,
-        recording: str | None,
-        prompt_text: str,
-        speed: float,
-        seed: float | None,
-        session: str,
-        streaming: bool,
-        client: str | None = None,
-    ) -> SynthesisRequest:
-        """Check the form and build the request (computes a recording's features: call off the loop).
-
-        ``client`` keys fair admission; default: the browser's session id, when it sent one."""
-        if not (text or "").strip():
-            raise ValueError("type some text to speak")
-        if len(text) > self.max_chars:
-            raise ValueError(f"the text has {len(text)} characters; at most {self.max_chars}")
-        if seed is None:  # the page always sends one (the dice fills it)
-            raise ValueError(f"the seed must be a whole number from 0 to {MAX_SEED}")
-        check_options(speed, seed)
-        voice = self.voice(voice_id, recording, prompt_text, session)
-        client = client or (f"ui:{session}" if session else None)
-        return SynthesisRequest(text, voice, float(speed), int(seed), streaming, client)
+    def request(self, form: SpeechForm, streaming: bool, address: str | None) -> SynthesisRequest:
+        """Check the form, then build the request (a recording's features are computed here: call
+        it off the loop). ``address`` keys fair admission when the form has no session."""
+        check_request(form.text, form.speed, form.seed, self.max_chars)
+        voice = self.voice(form.voice_id, form.recording, form.prompt_text, form.session)
+        seed = None if form.seed is None else int(form.seed)
+        client = client_key(form.session, address)
+        return SynthesisRequest(form.text, voice, float(form.speed), seed, streaming, client)
 
     # --- speaking -----------------------------------------------------------------------------
 
-    async def speak(
-        self,
-        text: str,
-        voice_id: str,
-        recording: str | None,
-        prompt_text: str,
-        speed: float,
-        seed: float | None,
-        session: str,
-        http: gr.Request,
-    ) -> AsyncIterator[tuple]:
-        """Stream speech: yields (WAV bytes chunk, stats, skip) per chunk, then (skip, stats, WAV file)."""
+    async def speak(self, http: gr.Request, **values) -> AsyncIterator[tuple]:
+        """Stream speech for the ``SpeechForm`` in ``values``: yields (WAV bytes chunk, stats, skip)
+        per chunk, then (skip, stats, WAV file)."""
         started = time.monotonic()
-        # API callers send no browser session id: their Gradio session keys fair admission instead.
-        client = f"ui:{session or http.session_hash}"
-        try:
-            request = await asyncio.to_thread(
-                self.request, text, voice_id, recording, prompt_text, speed, seed, session, True, client
-            )
-        except USER_ERRORS as err:
-            raise user_error(err) from err
-        except Exception as err:
-            raise unexpected_error(err, "Preparing the voice") from err
-        stream = self.pipeline.stream(request)
         pieces: list[np.ndarray] = []
         ttfa = None
         rate = self.pipeline.sample_rate
-        try:
-            async for chunk in stream:
-                ttfa = ttfa or time.monotonic() - started
-                pieces.append(chunk.samples)
-                samples = sum(len(p) for p in pieces)
-                stats = request_stats(samples, rate, time.monotonic() - started, ttfa) + " · streaming…"
-                yield wav_bytes(chunk.samples, rate), stats, None if len(pieces) == 1 else gr.skip()
-        except USER_ERRORS as err:
-            raise user_error(err) from err
-        except Exception as err:
-            raise unexpected_error(err, "Speaking") from err
-        finally:
-            await stream.aclose()
+        with toasts():
+            request = await asyncio.to_thread(self.request, SpeechForm(**values), True, address(http))
+            stream = self.pipeline.stream(request)
+            try:
+                async for chunk in stream:
+                    ttfa = ttfa or time.monotonic() - started
+                    pieces.append(chunk.samples)
+                    samples = sum(len(p) for p in pieces)
+                    stats = request_stats(samples, rate, time.monotonic() - started, ttfa) + " · streaming…"
+                    yield wav(chunk.samples, rate), stats, None if len(pieces) == 1 else gr.skip()
+            finally:
+                await stream.aclose()
         clip = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         path = await asyncio.to_thread(self.clips.write, clip, rate)
         yield gr.skip(), request_stats(len(clip), rate, time.monotonic() - started, ttfa), str(path)
 
-    async def speak_clip(
-        self,
-        text: list[str],
-        voice_id: list[str],
-        recording: list[str | None],
-        prompt_text: list[str],
-        speed: list[float],
-        seed: list[float | None],
-        session: list[str],
-    ) -> list[list]:
+    async def speak_clip(self, http: gr.Request, **values: list) -> list[list]:
         """Gradio batch function: whole clips for every waiting request, synthesised together.
 
-        Takes the form of ``speak``, each field a list with one entry per request (the parameter
-        names are singular because they name the API's parameters).
+        ``values`` holds the ``SpeechForm`` fields, each a list with one entry per request. Gradio
+        hands a batch function only its first event's request, so callers without a session in one
+        batch share that event's address for fair admission.
 
         Returns [players, stats lines, files], one entry per request. A batch of one raises
         ``gr.Error`` for a failure; in a larger batch a failed request gets its message in its stats
         line, since an exception would fail every request of the batch.
         """
         started = time.monotonic()
-        size = len(text)
+        forms = SpeechForm.batch(values)
+        size = len(forms)
         self.batch_sizes.record(size)
-        forms = zip(text, voice_id, recording, prompt_text, speed, seed, session, strict=True)
         requests = await asyncio.gather(
-            *(asyncio.to_thread(self.request, *form, False) for form in forms), return_exceptions=True
+            *(asyncio.to_thread(self.request, form, False, address(http)) for form in forms),
+            return_exceptions=True,
         )
         valid = [r for r in requests if isinstance(r, SynthesisRequest)]
         results = iter(await self.pipeline.synthesize_batch(valid))
@@ -244,11 +224,9 @@ class Handlers:
         players, stats, files = [], [], []
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
-                error = (
-                    user_error(outcome)
-                    if isinstance(outcome, USER_ERRORS)
-                    else unexpected_error(outcome, "Speaking")
-                )
+                if not isinstance(outcome, Exception):  # cancelled: not an answer to give
+                    raise outcome
+                error = as_toast(outcome)
                 if size == 1:
                     raise error from outcome
                 players.append(None)

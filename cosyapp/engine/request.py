@@ -1,0 +1,59 @@
+"""What a session asks the Pipeline for, and the rules every such request obeys.
+
+The web UI, the HTTP API and the Pipeline check requests here and nowhere else, so the same bad
+request gets the same message (a ``UserError``) wherever it comes from. Torch-free.
+"""
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cosyapp.errors import ParamError
+from cosyapp.frontend.text import check_text
+
+if TYPE_CHECKING:  # the voice library needs torch; a request only carries its voice
+    from cosyapp.frontend.voices import Voice
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+MAX_SEED = 2**63 - 1
+
+
+def check_options(speed: float | None, seed: float | None) -> None:
+    """Raise ``ParamError`` when ``speed`` is not a number in [MIN_SPEED, MAX_SPEED] (NaN is not) or
+    a given ``seed`` is not a whole number in [0, MAX_SEED]; seed None draws a fresh one."""
+    number = isinstance(speed, int | float) and not isinstance(speed, bool)
+    if not (number and MIN_SPEED <= speed <= MAX_SPEED):
+        raise ParamError(f"Speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed}.", "speed")
+    whole = not isinstance(seed, float) or seed.is_integer()  # NaN and infinities are not
+    if seed is not None and not (whole and 0 <= seed <= MAX_SEED):
+        raise ParamError(f"The seed must be a whole number from 0 to {MAX_SEED}, got {seed}.", "seed")
+
+
+def check_request(text: str, speed: float | None, seed: float | None, max_chars: int) -> None:
+    """The request rules, text first: raises ``TextError`` (see ``check_text``) or ``ParamError``.
+
+    The edges call it before they look up or compute the voice, which can take a while."""
+    check_text(text, max_chars)
+    check_options(speed, seed)
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """What a session asks for. ``seed`` None draws a fresh one; the same seed gives the same audio.
+
+    ``client`` names who asks (a session, an API key, an address) for fair admission; None counts
+    the request as a client of its own.
+    """
+
+    text: str
+    voice: "Voice"
+    speed: float = 1.0
+    seed: int | None = None
+    streaming: bool = True
+    client: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def validate(self, max_chars: int) -> None:
+        """Raise the ``UserError`` of the first rule this request breaks (``check_request``), with
+        ``max_chars`` the longest text the caller accepts."""
+        check_request(self.text, self.speed, self.seed, max_chars)

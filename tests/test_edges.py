@@ -1,0 +1,121 @@
+"""The web UI and the HTTP API of one served app (mounted as in production, uvicorn on loopback)
+answer the same request the same way: the same message for the same mistake, nothing of the
+internals for a bug, and the same audio bytes for the same clip."""
+
+import io
+import os
+import wave
+
+import httpx
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from test_server import make_service, serving
+
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+
+from cosyapp.web.api_errors import INTERNAL_ERROR  # noqa: E402
+from cosyapp.web.server import build_app  # noqa: E402
+from cosyapp.web.ui.events import INTERNAL_ERROR as UI_INTERNAL_ERROR  # noqa: E402
+
+MAX_CHARS = 60
+GOOD = {"input": "Hello there.", "voice": "en-espeak-us", "speed": 1.0, "seed": 4}
+MAX_SEED = 2**63 - 1
+BUG = "CUDA error: device-side assert triggered in /opt/secret/kernel.cu"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    return make_service(tmp_path_factory, max_text_chars=MAX_CHARS)
+
+
+@pytest.fixture(scope="module")
+def url(service):
+    with serving(build_app(service)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ui(url):
+    return Client(url, download_files=False, verbose=False)
+
+
+def api_error(http, **changes) -> tuple[int, dict]:
+    response = http.post("/v1/audio/speech", json={**GOOD, **changes})
+    return response.status_code, response.json()["error"]
+
+
+def ui_form(input: str, voice: str, speed: float, seed: int | None) -> tuple:
+    """The page's form (text, voice, recording, transcript, speed, seed, session) of an API body."""
+    return input, voice, None, "", speed, seed, ""
+
+
+def ui_error(ui, api_name: str, **changes) -> str:
+    with pytest.raises(AppError) as raised:
+        ui.predict(*ui_form(**{**GOOD, **changes}), api_name=api_name)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "changes, status, param, message",
+    [
+        ({"speed": 3.0}, 400, "speed", "Speed must be between 0.5 and 2.0, got 3.0."),
+        ({"speed": 0.25}, 400, "speed", "Speed must be between 0.5 and 2.0, got 0.25."),
+        ({"seed": -1}, 400, "seed", f"The seed must be a whole number from 0 to {MAX_SEED}, got -1."),
+        ({"input": ""}, 400, "input", "The text is empty: type what the voice should say."),
+        ({"input": " \n\t"}, 400, "input", "The text is empty: type what the voice should say."),
+        (
+            {"input": "a" * (MAX_CHARS + 1)},
+            400,
+            "input",
+            f"The text is {MAX_CHARS + 1} characters long; the limit is {MAX_CHARS}. "
+            "Shorten it or send it in parts.",
+        ),
+        ({"voice": "nobody"}, 404, "voice", "Voice 'nobody' not found; pick one of the listed voices."),
+    ],
+)
+@pytest.mark.parametrize("api_name", ["/speak", "/speak_clip"])
+def test_the_same_mistake_gets_the_same_message_in_the_ui_and_the_api(
+    http, ui, api_name, changes, status, param, message
+):
+    code, error = api_error(http, **changes)
+    assert (code, error["param"], error["message"]) == (status, param, message)
+    assert ui_error(ui, api_name, **changes) == message
+
+
+def test_a_bug_is_a_500_without_internals_and_a_generic_toast(http, ui, service, monkeypatch, caplog):
+    async def broken(request):
+        raise RuntimeError(BUG)
+        yield  # an async generator, as the LM engine's
+
+    monkeypatch.setattr(service.pipeline.lm, "generate", broken)
+    for stream in (False, True):
+        response = http.post("/v1/audio/speech", json={**GOOD, "stream": stream})
+        assert response.status_code == 500
+        assert response.json() == {
+            "error": {"message": INTERNAL_ERROR, "type": "server_error", "param": None, "code": None}
+        }
+        assert "CUDA" not in response.text and "Traceback" not in response.text
+    for api_name in ("/speak", "/speak_clip"):
+        assert ui_error(ui, api_name) == UI_INTERNAL_ERROR
+    # Each failure is logged with its exception (and so its traceback), in full.
+    logged = sorted((r.name, str(r.exc_info[1])) for r in caplog.records if r.exc_info)
+    assert logged == [("cosyapp.web.api_errors", BUG)] * 2 + [("cosyapp.web.ui.events", BUG)] * 2
+    monkeypatch.undo()
+    assert http.post("/v1/audio/speech", json=GOOD).status_code == 200  # the server serves on
+
+
+def test_the_api_and_the_ui_give_identical_wav_bytes_for_the_same_clip(http, ui, url):
+    api = http.post("/v1/audio/speech", json=GOOD)
+    assert api.status_code == 200
+    _, _, file = ui.predict(*ui_form(**GOOD), api_name="/speak_clip")
+    downloaded = httpx.get(file["url"], timeout=60).content
+    with wave.open(io.BytesIO(api.content)) as reader:
+        assert reader.getnframes() > 0
+    assert downloaded == api.content
