@@ -23,8 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from cosyapp.engine.token2wav.flow_cache import (
     FlowCache,
     FlowItem,
+    IncrementalFlow,
     KVPool,
-    incremental_flow,
     raw_estimator,
     voice_frames,
 )
@@ -34,7 +34,7 @@ from cosyapp.models.flow import CausalMaskedDiffWithXvec
 SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
-BATCHES = (1, 2) if SMOKE else (1, 16, 64)
+BATCHES = (1, 2) if SMOKE else (1, 4, 16, 32, 64)
 
 
 def autocast():
@@ -107,7 +107,7 @@ def start_caches(flow, pool, v, batch: int) -> list[FlowCache]:
         seed, speech, feat, emb, speech[:0], False, commit_to=voice_frames(PROMPT, 25, 3, 2)
     )
     with autocast():
-        incremental_flow(flow, pool, [prompt_item])
+        IncrementalFlow(flow, pool)([prompt_item])
     caches = []
     for _ in range(batch):
         pool.retain(seed.pages)
@@ -120,7 +120,7 @@ def incremental(flow, pool, v, caches, tokens, final):
     speech, feat, emb = v
     items = [FlowItem(c, speech, feat, emb, tokens, final) for c in caches]
     with autocast():
-        return incremental_flow(flow, pool, items)
+        return IncrementalFlow(flow, pool)(items)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -155,9 +155,9 @@ def main() -> None:
     c32, c16 = FlowCache(), FlowCache()
     for n, final in calls:
         want = recompute(flow, v, tokens[:n], 1, final, fp16=False)[0]
-        [(m32, s32)] = incremental_flow(flow, pool32, [FlowItem(c32, *v, tokens[:n], final)])
+        [(m32, s32)] = IncrementalFlow(flow, pool32)([FlowItem(c32, *v, tokens[:n], final)])
         with autocast():
-            [(m16, s16)] = incremental_flow(flow, pool16, [FlowItem(c16, *v, tokens[:n], final)])
+            [(m16, s16)] = IncrementalFlow(flow, pool16)([FlowItem(c16, *v, tokens[:n], final)])
         cut = lambda m, s: m[:, max(0, 2 * PROMPT - s) :]  # noqa: E731
         ref = want[:, max(0, s32 - 2 * PROMPT) :]
         row = {"check": "accuracy", "tokens": n, "final": final}
@@ -190,57 +190,82 @@ def main() -> None:
         )
 
 
+def run_schedule(flow, pool, runner, v, batch, tokens, calls, timings: list | None = None):
+    """One sentence for `batch` streams from the voice's pages, call by call; returns the first
+    stream's frames of each call."""
+    caches = start_caches(flow, pool, v, batch)
+    speech, feat, emb = v
+    frames = []
+    for n, final in calls:
+        items = [FlowItem(c, speech, feat, emb, tokens[:n], final) for c in caches]
+        with autocast():
+            result, ms = timed(lambda: runner(items))  # noqa: B023
+        assert result is not None, "pool too small"
+        frames.append(result[0][0])
+        if timings is not None:
+            timings.append(ms)
+    for c in caches:
+        pool.release(c.pages)
+    return frames
+
+
 def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
-    """Every call of the schedule for `batch` streams, recompute and incremental."""
+    """Every call of the schedule for `batch` streams: recompute, incremental eager and graphed."""
     est = raw_estimator(flow)
     pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
     pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
-    warm = start_caches(flow, pool, v, batch)  # one pass of the whole schedule first: kernels, allocator
-    for n, final in calls:
-        incremental(flow, pool, v, warm, tokens[:n], final)
-    for c in warm:
-        pool.release(c.pages)
-    caches = start_caches(flow, pool, v, batch)
-    totals = {"recompute_ms": 0.0, "incremental_ms": 0.0}
-    for n, final in calls:
+    eager_ms, graphed_ms = [], []
+    eager_runner, graphed_runner = IncrementalFlow(flow, pool), IncrementalFlow(flow, pool, graphs=True)
+    run_schedule(flow, pool, eager_runner, v, batch, tokens, calls)  # kernels, allocator
+    eager = run_schedule(flow, pool, eager_runner, v, batch, tokens, calls, timings=eager_ms)
+    started = time.perf_counter()
+    run_schedule(flow, pool, graphed_runner, v, batch, tokens, calls)  # captures this batch's buckets
+    capture_s = time.perf_counter() - started
+    graphed = run_schedule(flow, pool, graphed_runner, v, batch, tokens, calls, timings=graphed_ms)
+    rec_total = 0.0
+    for i, (n, final) in enumerate(calls):
         recompute(flow, v, tokens[:n], batch, final)  # warm-up of this shape
         _, rec_ms = timed(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
         rec_flops = flops(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
-        probe = FlowCache(list(caches[0].pages), caches[0].tails, caches[0].frames)
-        pool.retain(probe.pages)
-        inc_flops = batch * flops(lambda: incremental(flow, pool, v, [probe], tokens[:n], final))  # noqa: B023
-        pool.release(probe.pages)
-        result, inc_ms = timed(lambda: incremental(flow, pool, v, caches, tokens[:n], final))  # noqa: B023
-        assert result is not None, "pool too small"
-        totals["recompute_ms"] += rec_ms
-        totals["incremental_ms"] += inc_ms
+        probe = start_caches(flow, pool, v, 1)
+        for m, f in calls[:i]:  # bring one stream to this call, then count the call's FLOPs
+            incremental(flow, pool, v, probe, tokens[:m], f)
+        inc_flops = batch * flops(lambda: incremental(flow, pool, v, probe, tokens[:n], final))  # noqa: B023
+        pool.release(probe[0].pages)
+        rec_total += rec_ms
         emit(
             {
                 "check": "speed",
                 "batch": batch,
                 "tokens": n,
                 "final": final,
-                "new_frames": result[0][0].shape[1],
+                "new_frames": eager[i].shape[1],
                 "recompute_frames": 2 * (PROMPT + n - (0 if final else LOOKAHEAD)),
                 "recompute_ms": round(rec_ms, 2),
-                "incremental_ms": round(inc_ms, 2),
+                "incremental_eager_ms": round(eager_ms[i], 2),
+                "incremental_graphed_ms": round(graphed_ms[i], 2),
+                "graphed_vs_eager_max_abs": (graphed[i].float() - eager[i].float()).abs().max().item(),
                 "recompute_tflops": round(rec_flops / rec_ms / 1e9, 1),
-                "incremental_tflops": round(inc_flops / inc_ms / 1e9, 1),
+                "incremental_eager_tflops": round(inc_flops / eager_ms[i] / 1e9, 1),
+                "incremental_graphed_tflops": round(inc_flops / graphed_ms[i] / 1e9, 1),
             }
         )
     audio_s = batch * TOKENS / 25
+    totals = {
+        "recompute": rec_total,
+        "incremental_eager": sum(eager_ms),
+        "incremental_graphed": sum(graphed_ms),
+    }
     emit(
         {
             "check": "sentence",
             "batch": batch,
-            **{k: round(x, 1) for k, x in totals.items()},
-            "recompute_audio_s_per_s": round(audio_s / totals["recompute_ms"] * 1000, 1),
-            "incremental_audio_s_per_s": round(audio_s / totals["incremental_ms"] * 1000, 1),
-            "pages_used": pages - pool.free_pages,
+            **{f"{k}_ms": round(x, 1) for k, x in totals.items()},
+            **{f"{k}_audio_s_per_s": round(audio_s / x * 1000, 1) for k, x in totals.items()},
+            "graph_capture_s": round(capture_s, 1),
+            "page_gb": round(pages * KVPool.page_bytes(est, 10, torch.float16) / 2**30, 1),
         }
     )
-    for c in caches:
-        pool.release(c.pages)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ import torch
 from cosyapp.engine.token2wav.flow_cache import (
     FlowCache,
     FlowItem,
+    IncrementalFlow,
     KVPool,
     VoicePages,
-    incremental_flow,
     raw_estimator,
     voice_frames,
 )
@@ -69,7 +69,7 @@ def pool(tiny_model):
     )
 
 
-def stream_frames(flow, pool, p, tokens, calls, voices=None, key=None):
+def stream_frames(flow, pool, p, tokens, calls, voices=None, key=None, padded=False):
     """Run one stream's calls incrementally; returns the frames after the prompt, call by call."""
     speech, feat, emb = p
     cache = FlowCache()
@@ -78,7 +78,7 @@ def stream_frames(flow, pool, p, tokens, calls, voices=None, key=None):
     out = []
     for n, final in calls:
         item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
-        [(mel, start)] = incremental_flow(flow, pool, [item])
+        [(mel, start)] = IncrementalFlow(flow, pool, graphs=padded)([item])
         out.append((start, mel))
     pool.release(cache.pages)
     return out
@@ -91,7 +91,7 @@ def start_from_voice(flow, pool, voices, key, p, cache):
         frames = voice_frames(len(speech), 25, LOOKAHEAD, 2)
         seed = FlowCache()
         item = FlowItem(seed, speech, feat, emb, speech[:0], False, commit_to=frames)
-        incremental_flow(flow, pool, [item])
+        IncrementalFlow(flow, pool)([item])
         from cosyapp.engine.token2wav.flow_cache import VoiceEntry
 
         entry = VoiceEntry(seed.pages, seed.tails, seed.frames)
@@ -111,14 +111,19 @@ def assert_close(got: torch.Tensor, want: torch.Tensor):
     assert (got - want).abs().max() <= 1e-5 * scale, float((got - want).abs().max() / scale)
 
 
-@pytest.mark.parametrize("prompt_len,first_hop", [(75, 25), (37, 25), (50, 10), (12, 15)])
-def test_every_call_gives_the_recompute_frames(tiny_model, pool, prompt_len, first_hop):
+@pytest.mark.parametrize(
+    "prompt_len,first_hop,padded",
+    [(75, 25, False), (37, 25, False), (50, 10, False), (12, 15, False), (37, 25, True)],
+)
+def test_every_call_gives_the_recompute_frames(tiny_model, pool, prompt_len, first_hop, padded):
+    """padded: calls padded to the CUDA graphs' shape buckets (dummy rows, trash pages, masked frames)."""
     flow = tiny_model.flow
     p = prompt(prompt_len, seed=prompt_len)
     tokens = torch.randint(0, 6561, (190,), generator=torch.Generator().manual_seed(1))
     calls = schedule(prompt_len, len(tokens), first_hop)
     free = pool.free_pages
-    for (n, final), (start, mel) in zip(calls, stream_frames(flow, pool, p, tokens, calls), strict=True):
+    frames = stream_frames(flow, pool, p, tokens, calls, padded=padded)
+    for (n, final), (start, mel) in zip(calls, frames, strict=True):
         whole = recompute(flow, p, tokens[:n], final)
         assert_after_prompt(mel, start, whole, 2 * prompt_len)
     assert pool.free_pages == free
@@ -133,10 +138,10 @@ def test_a_batch_of_new_and_continuing_streams_matches_each_alone(tiny_model, po
     caches = [FlowCache() for _ in prompts]
     # Stream 0 has one chunk already; streams 1 and 2 start now, in the same call.
     first = FlowItem(caches[0], *prompts[0], tokens[0][:28], False)
-    incremental_flow(flow, pool, [first])
+    IncrementalFlow(flow, pool)([first])
     ends = [78, 35 + LOOKAHEAD, 25 + LOOKAHEAD]
     items = [FlowItem(c, *p, t[:n], False) for c, p, t, n in zip(caches, prompts, tokens, ends, strict=True)]
-    results = incremental_flow(flow, pool, items)
+    results = IncrementalFlow(flow, pool, graphs=True)(items)  # 3 streams padded to a bucket of 4
     for (mel, start), p, t, n in zip(results, prompts, tokens, ends, strict=True):
         whole = recompute(flow, p, t[:n], False)
         assert_after_prompt(mel, start, whole, 2 * len(p[0]))
@@ -173,5 +178,5 @@ def test_a_full_pool_refuses_the_call_and_changes_nothing(tiny_model):
     p = prompt(75, 6)
     cache = FlowCache()
     tokens = torch.randint(0, 6561, (60,), generator=torch.Generator().manual_seed(6))
-    assert incremental_flow(flow, tiny_pool, [FlowItem(cache, *p, tokens[:28], False)]) is None
+    assert IncrementalFlow(flow, tiny_pool)([FlowItem(cache, *p, tokens[:28], False)]) is None
     assert cache.frames == 0 and cache.pages == [] and tiny_pool.free_pages == 1

@@ -18,27 +18,23 @@ prompt) are computed once and shared by every stream of that voice (``VoicePages
 """
 
 import hashlib
-import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from cosyapp.models.flow import CausalMaskedDiffWithXvec, cosine_time_grid, join_prompt, prompt_condition
+from cosyapp.engine.token2wav.incremental import ROWS, TAIL, CallInputs, IncrementalGraphs, run_cfm
+from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_condition
 from cosyapp.models.flow_encoder import length_mask
-from cosyapp.models.flow_estimator import (
-    CausalBlock1D,
-    CausalConditionalDecoder,
-    CausalConv1d,
-    CausalResnetBlock1D,
-    time_embedding,
-)
+from cosyapp.models.flow_estimator import CausalConditionalDecoder, CausalResnetBlock1D
 
-ROWS = 2  # CFG: the conditional row, then the unconditional one
-TAIL = 2  # inputs a kernel-3 causal convolution reads before the current frame
+TRASH = 0  # a page no stream owns: padding in page tables, and where uncommitted frames are written
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WIDTH_BUCKETS = (100, 200, 250)  # new frames: a first chunk after voice pages, 100-token hops, finals
+PAST_BUCKETS = (0, 1, 2, 4, 8, 16, 32)  # committed pages: a 3 s prompt and up to 29 s of speech
 
 
 def raw_estimator(flow: CausalMaskedDiffWithXvec) -> CausalConditionalDecoder:
@@ -74,8 +70,9 @@ def transformer_count(estimator: CausalConditionalDecoder) -> int:
 class KVPool:
     """Keys and values of committed frames, in pages of one chunk, shared by every stream.
 
-    ``k``/``v`` are (blocks, pages, steps, ROWS, heads, page, head_dim). Pages are reference-counted:
-    a voice's prompt pages are held by the voice cache and by every stream that started from them.
+    ``k``/``v`` are (blocks, 1 + pages, steps, ROWS, heads, page, head_dim); page 0 is the trash page.
+    Pages are reference-counted: a voice's prompt pages are held by the voice cache and by every
+    stream that started from them.
     """
 
     def __init__(
@@ -90,11 +87,11 @@ class KVPool:
         self.page = estimator.static_chunk_size
         self.blocks = transformer_count(estimator)
         self.steps = steps
-        shape = (self.blocks, pages, steps, ROWS, attn.heads, self.page, attn.head_dim)
+        shape = (self.blocks, pages + 1, steps, ROWS, attn.heads, self.page, attn.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self._refs = [0] * pages
-        self._free = list(range(pages - 1, -1, -1))
+        self._refs = [0] * (pages + 1)
+        self._free = list(range(pages, TRASH, -1))
         self._lock = threading.Lock()  # pages are released from the event loop's side too
 
     @staticmethod
@@ -194,122 +191,6 @@ def voice_frames(prompt_tokens: int, chunk_tokens: int, lookahead: int, ratio: i
 
 
 @dataclass
-class _StepIO:
-    """One call's cached context, read and written by the estimator step by step."""
-
-    pool: KVPool
-    table: Tensor | None  # (B, max past pages) long, or None when no stream has past frames
-    attn_mask: Tensor  # (ROWS*B, 1, new, past + new) bool
-    tails: Tensor  # (steps, ROWS*B, channels, TAIL): inputs before each stream's first new frame
-    keep: Tensor  # (B,) new frames each stream commits (whole pages)
-    write_pages: Tensor  # (n,) pool pages to write, in (stream, page) order
-    write_index: Tensor  # (n,) flat (stream, page) index into the new frames' pages
-    new_tails: Tensor  # like tails: the inputs before frame `keep` of each stream
-    step: int = 0
-    block: int = 0
-    channel: int = 0
-
-    def start_step(self, step: int) -> None:
-        self.step, self.block, self.channel = step, 0, 0
-
-    def conv_input(self, x: Tensor) -> Tensor:
-        """x (ROWS*B, C, new) -> (ROWS*B, C, TAIL + new) with the stream's earlier inputs in front."""
-        c = x.size(1)
-        lo, hi = self.channel, self.channel + c
-        full = torch.cat([self.tails[self.step, :, lo:hi].to(x.dtype), x], dim=2)
-        # Inputs at new frames keep - 2, keep - 1 sit at columns keep, keep + 1 of `full`.
-        idx = self.keep.repeat(ROWS).view(-1, 1, 1) + torch.arange(TAIL, device=x.device)
-        self.new_tails[self.step, :, lo:hi] = full.gather(2, idx.expand(-1, c, -1)).to(self.new_tails.dtype)
-        self.channel = hi
-        return full
-
-    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """New keys/values (ROWS*B, H, new, D) -> with each stream's committed ones in front; commits
-        the new frames' whole pages to the pool."""
-        pool, layer, step = self.pool, self.block, self.step
-        self.block += 1
-        rb, heads, new, dim = k.shape
-        batch = rb // ROWS
-        if self.write_pages.numel():
-            n_pages = math.ceil(new / pool.page)
-            pad = n_pages * pool.page - new
-            for store, values in ((pool.k, k), (pool.v, v)):
-                paged = F.pad(values, (0, 0, 0, pad)).view(ROWS, batch, heads, n_pages, pool.page, dim)
-                paged = paged.permute(1, 3, 0, 2, 4, 5).reshape(batch * n_pages, ROWS, heads, pool.page, dim)
-                store[layer, self.write_pages, step] = paged[self.write_index].to(store.dtype)
-        if self.table is None:
-            return k, v
-        out = []
-        for store, values in ((pool.k, k), (pool.v, v)):
-            past = store[layer][self.table, step]  # (B, pages, ROWS, H, page, D)
-            past = past.permute(2, 0, 3, 1, 4, 5).reshape(rb, heads, -1, dim).to(values.dtype)
-            out.append(torch.cat([past, values], dim=2))
-        return out[0], out[1]
-
-
-class IncrementalEstimator:
-    """One estimator step over new frames only, reading and extending the streams' caches.
-
-    Runs the modules of a ``CausalConditionalDecoder`` in the same order and with the same operations
-    as its forward, except that causal convolutions get their left context from the cache instead of
-    zeros and attention also sees the committed keys and values.
-    """
-
-    def __init__(self, estimator: CausalConditionalDecoder):
-        self.est = estimator
-        self.channels = sum(conv_channels(estimator))
-
-    def __call__(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, io: _StepIO
-    ):
-        est = self.est
-        t_emb = est.time_mlp(time_embedding(t, est.in_channels))
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        resnet, blocks, conv = est.down_blocks[0]
-        h = self._attend(blocks, self._resnet(resnet, h, mask, t_emb, io), io)
-        skip = h
-        h = self._conv(conv, h * mask, io)
-        for resnet, blocks in est.mid_blocks:
-            h = self._attend(blocks, self._resnet(resnet, h, mask, t_emb, io), io)
-        resnet, blocks, conv = est.up_blocks[0]
-        h = self._attend(blocks, self._resnet(resnet, torch.cat([h, skip], dim=1), mask, t_emb, io), io)
-        h = self._conv(conv, h * mask, io)
-        h = self._block(est.final_block, h, mask, io)
-        return est.final_proj(h * mask) * mask
-
-    @staticmethod
-    def _conv(conv: CausalConv1d, x: Tensor, io: _StepIO) -> Tensor:
-        assert conv.kernel_size[0] == TAIL + 1
-        return nn.Conv1d.forward(conv, io.conv_input(x))
-
-    def _block(self, block: CausalBlock1D, x: Tensor, mask: Tensor, io: _StepIO) -> Tensor:
-        conv, to_channels_last, norm, to_channels_first, mish = block.block
-        h = self._conv(conv, x * mask, io)
-        return mish(to_channels_first(norm(to_channels_last(h)))) * mask
-
-    def _resnet(self, r: CausalResnetBlock1D, x: Tensor, mask: Tensor, t_emb: Tensor, io: _StepIO) -> Tensor:
-        h = self._block(r.block1, x, mask, io) + r.mlp(t_emb).unsqueeze(-1)
-        return self._block(r.block2, h, mask, io) + r.res_conv(x * mask)
-
-    @staticmethod
-    def _attend(blocks: nn.ModuleList, h: Tensor, io: _StepIO) -> Tensor:
-        h = h.transpose(1, 2)
-        for block in blocks:
-            attn = block.attn1
-            x = block.norm1(h)
-            b, t, _ = x.shape
-            q, k, v = (
-                proj(x).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-                for proj in (attn.to_q, attn.to_k, attn.to_v)
-            )
-            k, v = io.keys_values(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=io.attn_mask)
-            h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
-            h = h + block.ff(block.norm3(h))
-        return h.transpose(1, 2)
-
-
-@dataclass
 class FlowItem:
     """One stream's part of an incremental flow call."""
 
@@ -349,117 +230,149 @@ def _frames(values: Tensor, start: Tensor, width: int) -> Tensor:
     return values.gather(2, idx.unsqueeze(1).expand(-1, values.size(1), -1))
 
 
-@torch.inference_mode()
-def incremental_flow(
-    flow: CausalMaskedDiffWithXvec, pool: KVPool, items: list[FlowItem]
-) -> list[tuple[Tensor, int]] | None:
-    """Run the flow for ``items`` (all final or all not), computing only frames after each cache.
+def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= value, or None past the last one."""
+    return next((b for b in buckets if b >= value), None)
 
-    Returns, per item, (mel (80, n) of frames [cache.frames, end) in float32, cache.frames before the
-    call), and advances each cache to its committed frames. Returns None, changing nothing, when the
-    pool lacks the pages the call would commit.
-    """
-    final = items[0].final
-    assert all(i.final == final for i in items)
-    est = raw_estimator(flow)
-    cfm = flow.decoder
-    mu_all, lens, spks = encode(flow, items, final)
-    dev, dtype = mu_all.device, spks.dtype
+
+@dataclass
+class _Plan:
+    news: list[int]  # new frames per item
+    keeps: list[int]  # frames each item commits (whole pages)
+    pages: list[list[int]]  # fresh pool pages per item
+
+
+def _plan(items: list[FlowItem], ends: list[int], pool: KVPool) -> _Plan | None:
     page = pool.page
-    past = torch.tensor([i.cache.frames for i in items], device=dev)
-    ends = lens.tolist()
-    keeps = []
+    news, keeps = [], []
     for item, end in zip(items, ends, strict=True):
-        commit = end if item.final else (end // page) * page
+        assert end > item.cache.frames, "an incremental call needs new frames for every item"
+        commit = 0 if item.final else (end // page) * page
         if item.commit_to is not None:
             commit = min(commit, item.commit_to)
-        keeps.append(max(0, (commit - item.cache.frames) // page * page) if not item.final else 0)
-    new_pages = [k // page for k in keeps]
-    fresh = pool.allocate(sum(new_pages))
+        news.append(end - item.cache.frames)
+        keeps.append(max(0, commit - item.cache.frames))
+    fresh = pool.allocate(sum(keeps) // page)
     if fresh is None:
         return None
-    batch = len(items)
-    news = [end - i.cache.frames for i, end in zip(items, ends, strict=True)]
-    width = max(news)
-    assert min(news) > 0, "an incremental call needs new frames for every item"
-    n_pages = math.ceil(width / page)
-    write_index = [b * n_pages + j for b in range(batch) for j in range(new_pages[b])]
+    pages, taken = [], 0
+    for keep in keeps:
+        pages.append(fresh[taken : taken + keep // page])
+        taken += keep // page
+    return _Plan(news, keeps, pages)
 
-    mu = _frames(mu_all, past, width)
-    frames = lens.new_tensor(news)
-    valid = length_mask(frames, width)
-    mask = valid.unsqueeze(1).to(mu.dtype)
+
+def _inputs(
+    flow: CausalMaskedDiffWithXvec,
+    items: list[FlowItem],
+    plan: _Plan,
+    mu_all: Tensor,
+    spks: Tensor,
+    shape: tuple[int, int, int],
+    page: int,
+) -> CallInputs:
+    """The call's inputs at `shape` = (rows, new frames, past pages); rows after the items are dummies."""
+    rows, width, past_pages = shape
+    dev, dtype = mu_all.device, spks.dtype
+    n = len(items)
+    past = torch.tensor([i.cache.frames for i in items] + [0] * (rows - n), device=dev)
+    news = torch.tensor(plan.news + [0] * (rows - n), device=dev)
+    valid = length_mask(news, width)
+    mu = F.pad(_frames(mu_all, past[:n], width), (0, 0, 0, 0, 0, rows - n))
     cond_all = prompt_condition(
         torch.nn.utils.rnn.pad_sequence([i.prompt_feat for i in items], batch_first=True),
         torch.tensor([len(i.prompt_feat) for i in items], device=dev),
         mu_all.size(2),
     ).to(mu.dtype)
-    cond = _frames(cond_all, past, width)
-    noise = cfm.rand_noise.to(dev)
-    x = _frames(noise.expand(batch, -1, -1), past, width).to(mu.dtype)
-
-    past_pages = max(len(i.cache.pages) for i in items)
-    table = None
-    if past_pages:
-        table = torch.tensor(
-            [i.cache.pages + [0] * (past_pages - len(i.cache.pages)) for i in items], device=dev
-        )
-    key_valid = torch.cat(
-        [length_mask(past, past_pages * page), valid], dim=1
-    )  # (B, past + new): committed frames, then this call's real frames
+    cond = F.pad(_frames(cond_all, past[:n], width), (0, 0, 0, 0, 0, rows - n))
+    noise = flow.decoder.rand_noise.to(dev)  # (1, 80, max frames)
+    x = _frames(noise.expand(rows, -1, -1), past, width).to(mu.dtype)
+    table = torch.full((rows, past_pages), TRASH, dtype=torch.long)
+    for b, item in enumerate(items):
+        table[b, : len(item.cache.pages)] = torch.tensor(item.cache.pages, dtype=torch.long)
+    table = table.to(dev)
+    keys = torch.cat([length_mask(past, past_pages * page), valid], dim=1)  # committed, then new frames
     pos = torch.arange(width, device=dev)
     in_chunk = pos.unsqueeze(0) < ((pos // page + 1) * page).unsqueeze(
         1
     )  # new x new, chunks from the past's end
-    allowed = key_valid.unsqueeze(1).expand(-1, width, -1).clone()
+    allowed = keys.unsqueeze(1).expand(-1, width, -1).clone()
     allowed[:, :, past_pages * page :] &= in_chunk
-    attn_mask = allowed.repeat(ROWS, 1, 1).unsqueeze(1)
-
-    channels = sum(conv_channels(est))
-    tails = torch.zeros(cfm.n_timesteps, ROWS * batch, channels, TAIL, device=dev, dtype=dtype)
+    allowed[n:, :, 0] = True  # dummy rows attend to one key, so no softmax row is empty
+    channels = sum(conv_channels(raw_estimator(flow)))
+    steps = flow.decoder.n_timesteps
+    tails = torch.zeros(steps, ROWS * rows, channels, TAIL, device=dev, dtype=dtype)
     for b, item in enumerate(items):
         if item.cache.tails is not None:
-            tails[:, b::batch][:, :ROWS] = item.cache.tails.to(dtype)
-    keep = torch.tensor(keeps, device=dev)
-    io = _StepIO(
-        pool=pool,
+            tails[:, b::rows] = item.cache.tails.to(dtype)
+    n_pages = -(-width // page)
+    write = torch.full((rows, n_pages), TRASH, dtype=torch.long)
+    for b, fresh in enumerate(plan.pages):
+        write[b, : len(fresh)] = torch.tensor(fresh, dtype=torch.long)
+    return CallInputs(
+        x=x,
+        mask=valid.unsqueeze(1).to(mu.dtype),
+        mu=mu,
+        spks=F.pad(spks, (0, 0, 0, rows - n)),
+        cond=cond,
         table=table,
-        attn_mask=attn_mask,
+        attn_mask=allowed.repeat(ROWS, 1, 1).unsqueeze(1),
         tails=tails,
-        keep=keep,
-        write_pages=torch.tensor(fresh, device=dev, dtype=torch.long),
-        write_index=torch.tensor(write_index, device=dev, dtype=torch.long),
-        new_tails=tails.clone(),
+        keep=torch.tensor(plan.keeps + [0] * (rows - n), device=dev),
+        write_pages=write.flatten().to(dev),
     )
-    step_fn = IncrementalEstimator(est)
 
-    t_span = cosine_time_grid(cfm.n_timesteps, dev, mu.dtype)
-    mask_in = torch.cat([mask, mask]).to(dtype)
-    mu_in = torch.cat([mu, torch.zeros_like(mu)]).to(dtype)
-    spks_in = torch.cat([spks, torch.zeros_like(spks)])
-    cond_in = torch.cat([cond, torch.zeros_like(cond)]).to(dtype)
-    rate = cfm.inference_cfg_rate
-    t = t_span[0]
-    for step in range(1, len(t_span)):
-        io.start_step(step - 1)
-        dt = t_span[step] - t
-        t_in = t.to(dtype).expand(ROWS * batch)
-        velocity = step_fn(torch.cat([x, x]).to(dtype), mask_in, mu_in, t_in, spks_in, cond_in, io)
-        v_cond, v_uncond = velocity.chunk(2)
-        x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
-        t = t + dt
-    mel = x.float()
 
-    results = []
-    taken = 0
-    for b, item in enumerate(items):
-        cache = item.cache
-        start = cache.frames
-        results.append((mel[b, :, : news[b]], start))
-        pages = fresh[taken : taken + new_pages[b]]
-        taken += new_pages[b]
-        if pages:
-            cache.pages = cache.pages + pages
-            cache.frames += keeps[b]
-            cache.tails = io.new_tails[:, b::batch][:, :ROWS].clone()
-    return results
+class IncrementalFlow:
+    """The incremental streaming flow of one model over one page pool (see the module docstring)."""
+
+    def __init__(self, flow: CausalMaskedDiffWithXvec, pool: KVPool, graphs: bool = False):
+        """graphs: pad calls to shape buckets and replay them from CUDA graphs (on a CPU the padded
+        calls run eagerly, which checks the padding)."""
+        self.flow, self.pool = flow, pool
+        est = raw_estimator(flow)
+        self.graphs = (
+            IncrementalGraphs(est, pool.k, pool.v, flow.decoder.inference_cfg_rate) if graphs else None
+        )
+
+    @torch.inference_mode()
+    def __call__(self, items: list[FlowItem]) -> list[tuple[Tensor, int]] | None:
+        """Run the flow for ``items`` (all final or all not), computing only frames after each cache.
+
+        Returns, per item, (mel (80, n) of frames [start, end) in float32, start = the cache's frames
+        before the call), and advances each cache to its committed frames. Returns None, changing
+        nothing, when the pool lacks the pages the call would commit.
+        """
+        final = items[0].final
+        assert all(i.final == final for i in items)
+        mu_all, lens, spks = encode(self.flow, items, final)
+        plan = _plan(items, lens.tolist(), self.pool)
+        if plan is None:
+            return None
+        width = max(plan.news)
+        past_pages = max(len(i.cache.pages) for i in items)
+        exact = (len(items), width, past_pages)
+        padded = (
+            bucket(exact[0], BATCH_BUCKETS),
+            bucket(width, WIDTH_BUCKETS),
+            bucket(past_pages, PAST_BUCKETS),
+        )
+        graphed = self.graphs is not None and None not in padded
+        shape = padded if graphed else exact
+        inputs = _inputs(self.flow, items, plan, mu_all, spks, shape, self.pool.page)
+        if graphed:
+            x, tails = self.graphs.run(inputs)
+        else:
+            cfg_rate = self.flow.decoder.inference_cfg_rate
+            x, tails = run_cfm(raw_estimator(self.flow), self.pool.k, self.pool.v, inputs, cfg_rate)
+        mel = x.float()
+        rows = shape[0]
+        results = []
+        for b, item in enumerate(items):
+            cache = item.cache
+            results.append((mel[b, :, : plan.news[b]], cache.frames))
+            if plan.pages[b]:
+                cache.pages = cache.pages + plan.pages[b]
+                cache.frames += plan.keeps[b]
+                cache.tails = tails[:, b::rows].clone()
+        return results
