@@ -10,7 +10,7 @@ import httpx
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
-from test_server import make_service, serving
+from test_server import make_service, serving, wait_until
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
@@ -119,3 +119,23 @@ def test_the_api_and_the_ui_give_identical_wav_bytes_for_the_same_clip(http, ui,
     with wave.open(io.BytesIO(api.content)) as reader:
         assert reader.getnframes() > 0
     assert downloaded == api.content
+
+
+LONG = "今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。明天早上再去跑步。"
+
+
+@pytest.mark.parametrize("sessions, clients", [(["", ""], 1), (["tab-a", "tab-b"], 2)])
+def test_fair_admission_counts_callers_without_a_session_by_address(url, service, sessions, clients):
+    health = service.pipeline.health
+    callers = [Client(url, download_files=False, verbose=False) for _ in sessions]  # two Gradio sessions
+    jobs = [
+        caller.submit(LONG, "zh-aishell-w0121", None, "", 1.0, 1, session, api_name="/speak")
+        for caller, session in zip(callers, sessions, strict=True)
+    ]
+    try:
+        wait_until(lambda: health()["active_streams"] == 2, timeout=60)
+        assert health()["clients"] == clients
+    finally:
+        for job in jobs:
+            job.cancel()
+    wait_until(lambda: health()["active_streams"] == 0)

@@ -293,7 +293,7 @@ def test_a_shared_voice_is_deleted_through_the_api_and_is_gone(client, service):
 
 def test_deleting_a_voice_the_api_cannot_see_is_a_404_and_keeps_it(client, service):
     private = service.voices.save("Mine", str(AISHELL), AISHELL_TEXT, session="s2", shared=False)
-    for voice_id in [private.id, "user-0123456789ab", "nobody", "..%2F..%2Fetc"]:
+    for voice_id in [private.id, "user-0123456789ab", "nobody", "user-.."]:
         response = client.delete(f"/v1/audio/voices/{voice_id}")
         assert response.status_code == 404, voice_id
         assert response.json()["error"]["type"] == "not_found_error"

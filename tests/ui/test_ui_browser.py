@@ -210,6 +210,47 @@ def test_a_saved_voice_is_listed_in_its_page_and_not_in_another(browser, ui, rec
         other.context.close()
 
 
+def save_voice(page, recording, name: str, shared: bool = False) -> None:
+    use_recording(page, *recording)
+    page.locator("#voice-name textarea, #voice-name input").first.fill(name)
+    if shared:
+        page.locator("#voice-shared input").check()
+    page.locator("#save-voice").click()
+    page.get_by_text(f"Saved “{name}”").first.wait_for(timeout=30_000)
+
+
+def test_only_the_browser_that_saved_a_voice_can_delete_it(browser, ui, recording):
+    owner, other = browser.new_page(), browser.new_page()
+    try:
+        open_app(owner, ui)
+        save_voice(owner, recording, "Team voice to delete", shared=True)
+        open_app(other, ui)  # opened after the save: the shared voice is in its list
+        other.locator("#voice input").click()
+        other.get_by_role("option", name="Team voice to delete (shared)").click()
+        other.locator("#own-voice").get_by_text("Your own voice").click()
+        other.locator("#delete-voice").click()
+        refusal = other.get_by_text("“Team voice to delete” was saved in another browser")
+        refusal.first.wait_for(timeout=15_000)
+        assert "Team voice to delete" in {v.name for v in ui.service.voices.list_voices(None)}
+
+        assert owner.locator("#voice input").input_value() == "Team voice to delete (shared)"
+        owner.locator("#delete-voice").click()
+        owner.get_by_text("Deleted “Team voice to delete”.").first.wait_for(timeout=15_000)
+        assert not any("Team voice to delete" in name for name in voice_options(owner))
+        assert "Team voice to delete" not in {v.name for v in ui.service.voices.list_voices(None)}
+    finally:
+        owner.context.close()
+        other.context.close()
+
+
+def test_a_built_in_voice_cannot_be_deleted_from_the_page(page, ui):
+    open_app(page, ui)
+    page.locator("#own-voice").get_by_text("Your own voice").click()
+    page.locator("#delete-voice").click()
+    page.get_by_text("Pick one of your saved voices to delete").first.wait_for(timeout=15_000)
+    assert "en-espeak-us" in {v.id for v in ui.service.voices.list_voices(None)}
+
+
 @pytest.mark.parametrize(
     ("name", "query", "width"),
     [("light", "", 1280), ("dark", "?__theme=dark", 1280), ("phone", "", 390)],

@@ -57,7 +57,7 @@ def toasts() -> Iterator[None]:
         raise as_toast(err) from err
 
 
-def address(http: gr.Request | None) -> str | None:
+def client_address(http: gr.Request | None) -> str | None:
     return http.client.host if http is not None and http.client is not None else None
 
 
@@ -183,7 +183,7 @@ class Handlers:
         ttfa = None
         rate = self.pipeline.sample_rate
         with toasts():
-            request = await asyncio.to_thread(self.request, SpeechForm(**values), True, address(http))
+            request = await asyncio.to_thread(self.request, SpeechForm(**values), True, client_address(http))
             stream = self.pipeline.stream(request)
             try:
                 async for chunk in stream:
@@ -214,7 +214,7 @@ class Handlers:
         size = len(forms)
         self.batch_sizes.record(size)
         requests = await asyncio.gather(
-            *(asyncio.to_thread(self.request, form, False, address(http)) for form in forms),
+            *(asyncio.to_thread(self.request, form, False, client_address(http)) for form in forms),
             return_exceptions=True,
         )
         valid = [r for r in requests if isinstance(r, SynthesisRequest)]
