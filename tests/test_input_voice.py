@@ -134,7 +134,7 @@ def test_the_size_limit_is_a_parameter(tmp_path):
 
 @pytest.mark.parametrize("text", ["", "   \n", "\x00\x1b"])
 def test_a_missing_transcript_is_refused(text):
-    with pytest.raises(PromptTextError, match="type what is said in the recording"):
+    with pytest.raises(PromptTextError, match="Type what is said in the recording"):
         check_prompt_text(text, load_prompt_audio(AISHELL))
 
 
@@ -158,7 +158,7 @@ def test_every_built_in_transcript_matches_its_recording():
 
 def test_a_transcript_over_500_characters_is_refused(tmp_path):
     sf.write(tmp_path / "long.wav", tone(30.0), 16_000)
-    with pytest.raises(PromptTextError, match="the transcript has 501 characters; at most 500"):
+    with pytest.raises(PromptTextError, match="The transcript has 501 characters; at most 500"):
         check_prompt_text("a" * 501, load_prompt_audio(tmp_path / "long.wav"))
 
 
@@ -185,7 +185,7 @@ def test_odd_voice_names_are_only_display_names_stored_inside_the_voice_folder(l
 
 
 def test_a_name_with_nothing_printable_is_refused(library):
-    with pytest.raises(ValueError, match="give the voice a name"):
+    with pytest.raises(ValueError, match="Give the voice a name"):
         library.save("\u200b\n\t\x00", str(AISHELL), AISHELL_TEXT, session="s")
 
 
