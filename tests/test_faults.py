@@ -71,7 +71,7 @@ def whole_clips(tiny_model, lengths: list[int]) -> list[np.ndarray | BaseExcepti
 
     async def body():
         token2wav = Token2Wav(tiny_model, max_batch=8)
-        tasks = [asyncio.create_task(token2wav.synthesize(p, t, seed=i)) for i, (p, t) in enumerate(jobs)]
+        tasks = [asyncio.create_task(token2wav.whole_clip(p, t, seed=i)) for i, (p, t) in enumerate(jobs)]
         await asyncio.sleep(0.05)  # every job is submitted and waits for the worker
         token2wav.start()
         try:

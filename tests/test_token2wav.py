@@ -106,7 +106,7 @@ def test_non_streaming_output_equals_the_batch_1_reference_path(tiny_model):
     tokens, prompt = _tokens(120, seed=4), _prompt(37, seed=4)
 
     async def main(engine):
-        return await engine.synthesize(prompt, tokens, seed=9)
+        return await engine.whole_clip(prompt, tokens, seed=9)
 
     audio = _run(tiny_model, main)
     mel = tiny_model.tokens_to_mel(torch.tensor(tokens), prompt)

@@ -7,12 +7,17 @@ Admission control (``admission.FairAdmission``) bounds the streams in flight and
 waiting, and shares the slots fairly across clients; cancellation (closing the iterator, or
 cancelling the task that consumes it) aborts the LM request and drops pending token2wav work; an
 error in one request ends only that request.
+
+The event loop that runs every stream never waits on CPU work: text preparation runs in
+``TextWorkers`` and prompt embeddings in a thread.
 """
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +30,7 @@ from cosyapp.engine.metrics import Metrics, RequestRecord
 from cosyapp.engine.request import MAX_SEED, SynthesisRequest, check_options
 from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for callers of the Pipeline
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
+from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
@@ -61,6 +67,7 @@ class Pipeline:
     ):
         self.model = model
         self.text = text
+        self.text_workers = TextWorkers(text)
         self.lm = lm
         self.token2wav = token2wav
         self.metrics = metrics or Metrics()
@@ -84,10 +91,6 @@ class Pipeline:
     def max_waiting(self) -> int:
         return self.admission.max_waiting
 
-    @max_waiting.setter
-    def max_waiting(self, value: int) -> None:
-        self.admission.max_waiting = value
-
     @property
     def sample_rate(self) -> int:
         return self.model.sample_rate
@@ -103,6 +106,7 @@ class Pipeline:
             if self._started:
                 return
             await self.lm.start()
+            await self.text_workers.start()
             await asyncio.to_thread(self.token2wav.capture_graphs)
             self.token2wav.start()
             self._started = True
@@ -130,7 +134,7 @@ class Pipeline:
         batch = 1
         while batch <= self.token2wav.max_batch:
             await asyncio.gather(*(streamed() for _ in range(batch)))
-            await asyncio.gather(*(self.token2wav.synthesize(prompt, tokens, seed=0) for _ in range(batch)))
+            await asyncio.gather(*(self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)))
             batch *= 2
 
     async def shutdown(self) -> None:
@@ -138,6 +142,7 @@ class Pipeline:
         if self._started:
             self._started = False
             self.token2wav.stop()
+            self.text_workers.close()
             await self.lm.shutdown()
 
     def health(self) -> dict[str, object]:
@@ -160,19 +165,22 @@ class Pipeline:
         Raises ``TextError`` / ``ValueError`` for unusable input before any work, and ``BusyError``
         when the admission limits are reached.
         """
-        sentences = self.text.prepare(request.text)
+        sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
         check_options(request.speed, request.seed)
         seed = secrets.randbits(63) if request.seed is None else request.seed
-        prompt = request.voice.prompt(self.text)
         await self.start()
         async with self.admission.slot(request.client):
             record = self.metrics.begin(request.request_id)
             status = "failed"
             try:
                 for index, sentence in enumerate(sentences):
-                    async for samples in self._sentence(request, prompt, sentence.ids, index, seed, record):
-                        self.metrics.audio(record, len(samples) / self.sample_rate)
-                        yield AudioChunk(samples, self.sample_rate, index)
+                    audio = await self._sentence(request, prompt, sentence.ids, index, seed, record)
+                    # The one place a sentence ends early: closing its audio ends its token2wav
+                    # stream, which drops its queued work and closes (aborts) its LM request.
+                    async with contextlib.aclosing(audio):
+                        async for samples in audio:
+                            self.metrics.audio(record, len(samples) / self.sample_rate)
+                            yield AudioChunk(samples, self.sample_rate, index)
                 status = "done"
             except (asyncio.CancelledError, GeneratorExit):
                 status = "cancelled"
@@ -203,39 +211,28 @@ class Pipeline:
         index: int,
         seed: int,
         record: RequestRecord,
-    ) -> AsyncIterator[np.ndarray]:
+    ) -> AsyncGenerator[np.ndarray, None]:
+        """The audio of one sentence: its LM request's tokens through a token2wav stream."""
         min_tokens, max_tokens = self.model.lm.sampling.length_limits(len(ids))
-        with torch.inference_mode():
-            embeds = self.model.lm.prompt_embeds(
-                prompt.text_ids, torch.tensor(ids, dtype=torch.long), prompt.speech_tokens
-            )
         lm_request = LMRequest(
             request_id=f"{request.request_id}-{index}",
-            prompt_embeds=embeds.float().cpu(),
+            prompt_embeds=await asyncio.to_thread(self._prompt_embeds, prompt, ids),
             min_tokens=min_tokens,
             max_tokens=max_tokens,
             seed=sentence_seed(seed, index),
         )
-        tokens = self._counted(self.lm.generate(lm_request), record)
         stream = self.token2wav.open_stream(
             prompt, speed=request.speed, streaming=request.streaming, seed=sentence_seed(seed, index)
         )
-        audio = stream.run(tokens)
-        try:
-            async for samples in audio:
-                yield samples
-        finally:
-            await audio.aclose()
+        return stream.run(self.lm.generate(lm_request), functools.partial(self.metrics.tokens, record))
 
-    async def _counted(
-        self, tokens: AsyncIterator[list[int]], record: RequestRecord
-    ) -> AsyncIterator[list[int]]:
-        try:
-            async for new in tokens:
-                self.metrics.tokens(record, len(new))
-                yield new
-        finally:
-            await tokens.aclose()
+    def _prompt_embeds(self, prompt: PromptInputs, ids: tuple[int, ...]) -> torch.Tensor:
+        """The LM's prompt embeddings (L0, D) float32 on the CPU; runs in a worker thread."""
+        with torch.inference_mode():
+            embeds = self.model.lm.prompt_embeds(
+                prompt.text_ids, torch.tensor(ids, dtype=torch.long), prompt.speech_tokens
+            )
+            return embeds.float().cpu()
 
 
 def _gpu_memory_gb() -> float:

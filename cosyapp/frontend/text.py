@@ -8,6 +8,7 @@ wetext, inflect and regex are imported inside the functions that use them, so th
 a bare GPU box.
 """
 
+import copy
 import itertools
 import logging
 import re
@@ -125,7 +126,20 @@ class TextFrontend:
             }
         )
         self._inflect = inflect.engine()
-        self._zh_normalizer, self._en_normalizer = _wetext_normalizers() if normalize else (None, None)
+        self._zh_normalizer, self._en_normalizer = wetext_normalizers() if normalize else (None, None)
+
+    def with_normalizers(self, zh, en) -> "TextFrontend":
+        """A copy (same tokenizer and limits) that calls ``zh.normalize`` / ``en.normalize`` where this
+        one calls wetext's normalizers, e.g. wetext in another process; none if normalisation is off.
+        The copy has its own number speller (inflect keeps per-call state), so it may run in another
+        thread than this one."""
+        import inflect
+
+        other = copy.copy(self)
+        other._inflect = inflect.engine()
+        if self._zh_normalizer is not None:
+            other._zh_normalizer, other._en_normalizer = zh, en
+        return other
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``: default settings, no BOS/EOS, added special tokens matched anywhere."""
@@ -210,7 +224,7 @@ class TextFrontend:
         return "".join(parts)
 
 
-def _wetext_normalizers():
+def wetext_normalizers():
     """The ("zh", "en") wetext normalizers of upstream's wetext path.
 
     The language is set explicitly: wetext's "auto" reads an all-digit English text such as "2024"

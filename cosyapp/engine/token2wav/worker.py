@@ -1,15 +1,13 @@
 """Token-to-wave service shared by every stream: one worker thread batches flow and HiFT work.
 
-    stream.run(tokens) --chunk schedule--> Job --queue--> worker: take all pending jobs (<= max_batch)
+    Stream.run(tokens) --chunk schedule--> Job --queue--> worker: take all pending jobs (<= max_batch)
         -> flow: one padded call per (streaming, finalize) mode -> per stream, in order: speed change,
-        HiFT caches, HiFT batched by equal mel length, cross-fade -> future -> stream yields audio
+        HiFT caches, HiFT batched by equal mel length, cross-fade -> future -> Stream.run yields audio
 
-A stream owns all its state (schedule, HiFT caches, noise generator), so its audio depends only on its
-own prompt, tokens and seed, never on which streams share its batches (inference map 8.2-8.3).
+Each stream's state lives in its Stream (stream.py), so its audio depends only on its own prompt,
+tokens and seed, never on which streams share its batches (docs/model.md §8.6, §10).
 """
 
-import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -21,19 +19,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from cosyapp.engine.token2wav.chunking import (
-    MEL_CACHE_FRAMES,
-    PRE_LOOKAHEAD,
-    ChunkSchedule,
-    StreamingSpeedChange,
-)
-from cosyapp.engine.token2wav.jobs import Job, StreamState, deliver, failing, retry_in_halves, rounds
+from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
+from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
+from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
-from cosyapp.models.flow import MAX_MEL_FRAMES
 from cosyapp.options import DEFAULTS
 
 logger = logging.getLogger(__name__)
@@ -44,7 +36,7 @@ class Token2WavStats:
     """Worker counters; read without blocking the worker."""
 
     jobs_done: int = 0  # chunk jobs computed and delivered
-    jobs_dropped: int = 0  # jobs of closed streams skipped before any computation
+    jobs_dropped: int = 0  # jobs of ended (cancelled or failed) streams skipped before any computation
     last_flow_batch: int = 0  # items in the most recent flow call
     max_flow_batch: int = 0
     last_hift_batch: int = 0  # items in the most recent HiFT call
@@ -120,7 +112,7 @@ class Token2Wav:
             while not self._queue.empty():
                 job = self._queue.get_nowait()
                 if job is not None:
-                    deliver(job, error=RuntimeError("the token2wav worker was stopped"))
+                    job.resolve(error=RuntimeError("the token2wav worker was stopped"))
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
@@ -128,7 +120,7 @@ class Token2Wav:
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
-    ) -> "Token2WavStream":
+    ) -> Stream:
         """A stream for one sentence in `prompt`'s voice; `seed` drives its HiFT noise (None: random).
 
         Raises ValueError if `speed` is not positive, or so high that the first streaming chunk would
@@ -138,24 +130,9 @@ class Token2Wav:
             raise ValueError(f"speed must be positive, got {speed}")
         if streaming and math.floor((TOKEN_MEL_RATIO * self.first_hop - 1) / speed) <= MEL_CACHE_FRAMES:
             raise ValueError(f"speed {speed} is too high for streaming with a first hop of {self.first_hop}")
-        device = self.model.device
-        dtype = self.model.flow.input_embedding.weight.dtype
-        generator = torch.Generator(device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        on_device = PromptInputs(
-            text_ids=prompt.text_ids,
-            speech_tokens=prompt.speech_tokens.to(device),
-            speech_feat=prompt.speech_feat.to(device, dtype),
-            embedding=prompt.embedding.to(device, dtype),
-        )
-        resampler = StreamingSpeedChange(speed) if streaming and speed != 1.0 else None
-        state = StreamState(on_device, speed, generator, resampler)
-        return Token2WavStream(self, state, streaming)
+        return Stream(prompt, speed, streaming, seed, self.first_hop, self.submit)
 
-    async def synthesize(
+    async def whole_clip(
         self, prompt: PromptInputs, tokens: list[int], speed: float = 1.0, seed: int | None = None
     ) -> np.ndarray:
         """Non-streaming audio of `tokens` in one job: float32 (480 * 2G / speed,) at 24 kHz."""
@@ -174,14 +151,18 @@ class Token2Wav:
         self._queue.put(job)
 
     def _work(self) -> None:
+        dtype = self.model.flow.input_embedding.weight.dtype
         with torch.inference_mode():
             while (jobs := self._take()) is not None:
-                live = [job for job in jobs if not job.state.closed]
+                live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
-                self._flow(live)
+                for job in live:
+                    with failing([job], "prompt upload"):
+                        job.stream.attach(self.model.device, dtype)
+                self._flow([job for job in live if job.stream.live])
                 for jobs_round in rounds(live):
-                    # A failed job closes its stream: its later chunks are skipped.
-                    self._vocode([job for job in jobs_round if not job.state.closed])
+                    # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
+                    self._vocode([job for job in jobs_round if job.stream.live])
 
     def _take(self) -> list[Job] | None:
         """Block for one job, then take every pending job up to max_batch; None once stopped."""
@@ -222,7 +203,7 @@ class Token2Wav:
 
     def _flow_group(self, jobs: list[Job], streaming: bool, finalize: bool) -> list[Tensor]:
         dev = self.model.device
-        prompts = [job.state.prompt for job in jobs]
+        prompts = [job.stream.device_prompt for job in jobs]
         autocast = self.autocast_dtype is not None
         with torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=autocast):
             mel, mel_len = self.model.flow.inference(
@@ -252,8 +233,8 @@ class Token2Wav:
         groups: dict[tuple[int, bool], list[tuple[Job, Tensor]]] = {}
         for job in jobs:
             with failing([job], "speed change"):
-                mel = _hift_input(job)
-                has_cache = job.state.overlap.source is not None
+                mel = job.stream.hift_input(job)
+                has_cache = job.stream.overlap.source is not None
                 groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
         for group in groups.values():
             retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
@@ -263,7 +244,7 @@ class Token2Wav:
 
         Raises what the HiFT call raised, with every stream's noise generator as it was before it.
         """
-        generators = [job.state.generator for job, _ in group]
+        generators = [job.stream.generator for job, _ in group]
         noise_states = [g.get_state() for g in generators]
         started = time.perf_counter()
         try:
@@ -276,109 +257,19 @@ class Token2Wav:
         self._stats.hift_seconds += time.perf_counter() - started
         for i, (job, mel) in enumerate(group):
             with failing([job], "cross-fade"):
-                audio = job.state.overlap.finish(mel, speech[i], source[i], final=job.finalize)
+                audio = job.stream.overlap.finish(mel, speech[i], source[i], final=job.finalize)
                 self._stats.jobs_done += 1
-                deliver(job, audio=audio.numpy().copy())
+                job.resolve(audio=audio.numpy().copy())
 
     def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
         """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
-        states = [job.state for job, _ in group]
-        caches = [s.overlap.source for s in states]
+        streams = [job.stream for job, _ in group]
+        caches = [stream.overlap.source for stream in streams]
         speech, source = self.model.hift(
             torch.stack([mel for _, mel in group]),
             None if caches[0] is None else torch.stack(caches),
-            generators=[s.generator for s in states],
+            generators=[stream.generator for stream in streams],
         )
         self._stats.last_hift_batch = len(group)
         self._stats.max_hift_batch = max(self._stats.max_hift_batch, len(group))
         return speech.cpu(), source
-
-
-def _hift_input(job: Job) -> Tensor:
-    """The mel HiFT gets for this job: the cached overlap frames, then the new (speed-changed) frames.
-
-    Speed: in streaming mode each chunk's new frames go through the stream's running resampler, and
-    the caches hold frames and samples of the stretched signal, so chunk boundaries, the 8-frame
-    overlap and the sample accounting work on the stretched mel exactly as on an unstretched one.
-    In non-streaming mode the whole mel is interpolated once, as upstream.
-    """
-    state, mel = job.state, job.mel
-    assert mel is not None
-    if state.resampler is not None:
-        mel = state.resampler.push(mel, final=job.finalize)
-    elif state.speed != 1.0:
-        mel = F.interpolate(mel[None], size=int(mel.shape[1] / state.speed), mode="linear")[0]
-    return state.overlap.mel_input(mel)
-
-
-class Token2WavStream:
-    """One sentence's token-to-wave conversion; made by Token2Wav.open_stream, run once."""
-
-    def __init__(self, engine: Token2Wav, state: StreamState, streaming: bool):
-        self.engine = engine
-        self.state = state
-        self.streaming = streaming
-        self.schedule = ChunkSchedule(len(state.prompt.speech_tokens), engine.first_hop)
-        self.tokens: list[int] = []
-        self._futures: list[asyncio.Future] = []
-        self._started = False
-
-    async def run(self, tokens: AsyncIterator[list[int]]) -> AsyncIterator[np.ndarray]:
-        """Consume the LM's token lists; yield float32 24 kHz audio chunks in order.
-
-        Chunk jobs are submitted as soon as the schedule allows, while earlier chunks are computed.
-        Non-streaming: one chunk at the end. No tokens: no audio. Closing this iterator (or cancelling
-        its consumer) drops the stream's pending jobs and closes `tokens`. Raises what the token
-        iterator or the worker raised, and ValueError if the sequence exceeds the flow's frame limit.
-        """
-        assert not self._started, "a Token2WavStream runs once"
-        self._started = True
-        ready: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read(tokens, ready))
-        try:
-            while (future := await ready.get()) is not None:
-                yield await future
-            await reader
-        finally:
-            self.state.closed = True
-            reader.cancel()
-            for future in self._futures:
-                future.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-
-    async def _read(self, tokens: AsyncIterator[list[int]], ready: asyncio.Queue) -> None:
-        try:
-            async for new in tokens:
-                self.tokens.extend(new)
-                while self.streaming and self.schedule.ready(len(self.tokens)):
-                    offset, end = self.schedule.advance()
-                    ready.put_nowait(self._submit(self.tokens[: end + PRE_LOOKAHEAD], offset, False))
-            if len(self.tokens) > self.schedule.offset:
-                ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
-        finally:
-            ready.put_nowait(None)
-            aclose = getattr(tokens, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    def _submit(self, tokens: list[int], offset: int, finalize: bool) -> asyncio.Future:
-        frames = TOKEN_MEL_RATIO * (len(self.state.prompt.speech_tokens) + len(tokens))
-        if frames > MAX_MEL_FRAMES:
-            raise ValueError(
-                f"prompt + speech tokens need {frames} mel frames; the flow handles {MAX_MEL_FRAMES}"
-            )
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._futures.append(future)
-        job = Job(
-            state=self.state,
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            offset=offset,
-            streaming=self.streaming and not finalize,
-            finalize=finalize,
-            future=future,
-            loop=loop,
-        )
-        self.engine.submit(job)
-        return future
