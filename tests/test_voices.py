@@ -1,5 +1,9 @@
+import io
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -144,3 +148,52 @@ def test_builtin_assets_carry_a_licence_note():
     for meta_path in metas:
         meta = json.loads(meta_path.read_text())
         assert meta["licence"] and meta["transcript"] and (ASSETS_VOICES / meta["audio"]).is_file()
+
+
+def _long_recording(seconds: float = 28.0) -> bytes:
+    """A WAV of a built-in recording repeated to ``seconds`` (the longest prompts take the longest)."""
+    wave, rate = sf.read(ASSETS_VOICES / "zh-aishell-w0122.wav")
+    buffer = io.BytesIO()
+    sf.write(buffer, np.tile(wave, int(seconds * rate / len(wave))), rate, format="WAV")
+    return buffer.getvalue()
+
+
+def _while_extracting(library: VoiceLibrary, upload) -> threading.Thread:
+    """Start ``upload`` in a thread and return once its feature extraction is under way."""
+    thread = threading.Thread(target=upload)
+    thread.start()
+    while not library._computing:
+        assert thread.is_alive(), "the upload ended before its extraction was seen"
+        time.sleep(0.0005)
+    return thread
+
+
+def test_a_voice_upload_does_not_delay_the_lookup_of_a_cached_voice(library):
+    library.get("zh-aishell-w0121")  # cached from now on
+    upload = _while_extracting(library, lambda: library.save("long", _long_recording(), AISHELL_TEXT, "a"))
+    started = time.perf_counter()
+    voice = library.get("zh-aishell-w0121")
+    lookup = time.perf_counter() - started
+    still_extracting = bool(library._computing)
+    upload.join()
+    assert voice.prompt_text == AISHELL_TEXT
+    assert still_extracting and lookup < 0.05, lookup
+    assert library.features_computed == 2
+
+
+def test_two_uploads_of_the_same_recording_run_the_frontend_once(library):
+    recording = _long_recording()
+    saved = []
+
+    def upload(name):
+        saved.append(library.save(name, recording, AISHELL_TEXT, session="a"))
+
+    first = _while_extracting(library, lambda: upload("first"))
+    second = threading.Thread(target=upload, args=("second",))
+    second.start()
+    first.join()
+    second.join()
+    assert library.features_computed == 1
+    one, two = (library.get(info.id, "a").features for info in saved)
+    assert {info.name for info in saved} == {"first", "second"}
+    assert torch.equal(one.speech_tokens, two.speech_tokens) and torch.equal(one.embedding, two.embedding)

@@ -14,6 +14,7 @@ import re
 import threading
 import unicodedata
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,7 +130,12 @@ def audio_hash(audio: "PromptAudio") -> str:
 
 
 class VoiceLibrary:
-    """Lists, loads and saves voices; thread-safe. ``features_computed`` counts real extractions."""
+    """Lists, loads and saves voices; thread-safe. ``features_computed`` counts real extractions.
+
+    The lock guards only the feature cache's files and the map of extractions in flight: a
+    recording's features are computed outside it, so one upload never delays another request's
+    voice, and two requests for the same recording wait for one extraction.
+    """
 
     def __init__(
         self,
@@ -147,21 +153,41 @@ class VoiceLibrary:
         self.user_dir.mkdir(parents=True, exist_ok=True)
         self.features_computed = 0
         self._lock = threading.Lock()
+        self._computing: dict[str, Future[VoiceFeatures]] = {}  # by content hash
         self._builtin = _read_builtin(assets_dir)
         self._model = _read_spk2info(spk2info) if spk2info and spk2info.is_file() else {}
 
     def features_of(self, audio: "PromptAudio") -> VoiceFeatures:
-        """Features of a recording, computed once per distinct content and then read from the cache."""
-        path = self.features_dir / f"{audio_hash(audio)}.safetensors"
+        """Features of a recording, computed once per distinct content and then read from the cache.
+
+        Raises what the voice frontend raised, to every request waiting for that recording.
+        """
+        key = audio_hash(audio)
+        path = self.features_dir / f"{key}.safetensors"
         with self._lock:
             if path.is_file():
                 os.utime(path)  # recently used: evicted last
                 return VoiceFeatures.load(path)
+            computing = self._computing.get(key)
+            first = computing is None
+            if first:
+                computing = self._computing[key] = Future()
+        if not first:
+            return computing.result()  # another request is extracting this recording
+        try:
             features = self.frontend.features(audio)
+        except BaseException as error:
+            with self._lock:
+                del self._computing[key]
+            computing.set_exception(error)
+            raise
+        with self._lock:
             features.save(path)
             self.features_computed += 1
             self._evict_features()
-            return features
+            del self._computing[key]
+        computing.set_result(features)
+        return features
 
     def _evict_features(self) -> None:
         """Keep at most ``max_cached_features`` feature files, dropping the least recently used ones
