@@ -17,6 +17,7 @@ import httpx
 import pytest
 from test_server import VOICE, make_service, serving, wait_until
 
+from cosyapp.bench.memory import footprint, steady_growth
 from cosyapp.engine.admission import BusyError, FairAdmission
 from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 from cosyapp.engine.pipeline import Pipeline, SynthesisRequest
@@ -191,15 +192,9 @@ def free_port() -> int:
 
 
 def resources() -> dict[str, int]:
-    """What a leak would grow: threads, open files, resident memory (kB)."""
+    """What a leak would grow besides memory (``footprint``): threads, open files."""
     gc.collect()
-    with open("/proc/self/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return {
-        "threads": threading.active_count(),
-        "fds": len(os.listdir("/proc/self/fd")),
-        "rss_kb": rss,
-    }
+    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}
 
 
 def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
@@ -227,11 +222,11 @@ def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
             for wave in range(3):  # warm-up: the allocators reach their working size (measured: 2 waves)
                 await asyncio.gather(*(one(pipeline, 100 * wave + i) for i in range(100)))
             await asyncio.sleep(0.5)
-            before, rss = resources() | {"tasks": len(asyncio.all_tasks())}, []
+            before, samples = resources() | {"tasks": len(asyncio.all_tasks())}, [footprint()]
             for wave in range(10):
                 await asyncio.gather(*(one(pipeline, 300 + 100 * wave + i) for i in range(100)))
-                rss.append(resources()["rss_kb"])
-            await asyncio.sleep(0.5)  # the worker threads drop what the cancelled streams left
+                await asyncio.sleep(0.5)  # the worker threads drop what the cancelled streams left
+                samples.append(footprint())
             after = resources() | {"tasks": len(asyncio.all_tasks())}
             state = (
                 pipeline.health(),
@@ -239,12 +234,13 @@ def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
                 pipeline.token2wav.stats(),
                 pipeline.metrics.snapshot(),
             )
-            return before, after, rss, state
+            return before, after, samples, state
         finally:
             await pipeline.shutdown()
 
-    before, after, rss, (health, lm_running, token2wav, snapshot) = asyncio.run(body())
-    print(f"before {before}, after {after}, RSS after each 100: {rss}")
+    before, after, samples, (health, lm_running, token2wav, snapshot) = asyncio.run(body())
+    growth = steady_growth(samples)
+    print(f"before {before}, after {after}, after each 100: {samples}, median growth per 100: {growth}")
     assert (health["active_streams"], health["waiting"], health["clients"]) == (0, 0, 0)
     assert lm_running == 0 and token2wav.queue_depth == 0 and snapshot["active_streams"] == 0
     # Admitted streams are counted (those cancelled while waiting for a slot are not): all cancelled.
@@ -254,11 +250,9 @@ def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
     assert after["tasks"] == before["tasks"]
     assert after["threads"] == before["threads"]
     assert after["fds"] <= before["fds"] + 2
-    # RSS moves in steps as the allocator grows its pools (one step of ~150 MB, then flat, seen in
-    # CI); a leak raises it wave after wave. So at most two of the waves may set a new high by more
-    # than 30 MB (a leak of 300 KB per stream would do it in every wave).
-    new_highs = [b - max(rss[: i + 1]) for i, b in enumerate(rss[1:])]
-    assert sum(high > 30_000 for high in new_highs) <= 2, rss
+    # Median growth per wave of 100 streams (cosyapp/bench/memory.py says why not RSS): a leak of one
+    # tensor, one object or 100 kB of heap per stream would exceed each bound in every wave.
+    assert growth["tensors"] <= 10 and growth["objects"] < 100 and growth["heap_kb"] < 10_000, samples
 
 
 def test_clients_leaving_http_streams_midway_free_everything(tmp_path_factory):

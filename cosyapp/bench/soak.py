@@ -5,13 +5,17 @@ Every good answer must be correct audio (24 kHz mono 16-bit, whole token hops; t
 seed always give the same samples, to within MAX_LSB_DIFF: batched with different neighbours, the
 flow and HiFT round differently in the last float bits, which can move a 16-bit sample by one step),
 every bad one its own message; a "busy, try again" (503 or
-Gradio's busy error) is allowed and counted. RSS of the process is sampled every second. The exit
-status is 1 when any answer was wrong.
+Gradio's busy error) is allowed and counted. The exit status is 1 when any answer was wrong.
+
+Memory: every client first sends one request of each kind (warm-up), then the run goes in waves; after
+each, with nothing in flight, the process's live objects, tensors and RSS are sampled, and the
+summary gives their median growth per wave (see cosyapp/bench/memory.py for why).
 
     python -m cosyapp.bench.soak --seconds 600 --clients 16 --out soak.json
 """
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -28,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from cosyapp.bench.memory import footprint, steady_growth
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_HOP = 480  # audio always comes in whole halves of a 25 Hz token
@@ -53,6 +59,11 @@ class Tally:
     examples: list[str] = field(default_factory=list)  # the first few wrong answers
     clips: dict[tuple[str, int], bytes] = field(default_factory=dict)  # (text, seed) -> whole WAV
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def requests(self) -> int:
+        """Requests answered so far, whatever the outcome."""
+        with self.lock:
+            return sum(self.ok.values()) + sum(self.busy.values()) + sum(self.wrong.values())
 
     def same_clip(self, key: tuple[str, int], data: bytes) -> None:
         """Raise WrongAnswer when ``key`` was answered before with other audio (a different length,
@@ -98,22 +109,31 @@ class Client:
         self.http = httpx.Client(base_url=base, timeout=300)
         self._gradio = None
 
+    def warm_up(self) -> None:
+        """One request of each kind, so every path has run once before memory is measured."""
+        for kind in KINDS:
+            self.send(kind)
+
     def run(self, deadline: float) -> None:
+        """Requests of random kinds until ``deadline`` (the last one may end after it)."""
+        while time.monotonic() < deadline:
+            self.send(self.rng.choice(KINDS))
+
+    def send(self, kind: str) -> None:
+        """One request of ``kind``, its outcome tallied."""
         try:
-            while time.monotonic() < deadline:
-                kind = self.rng.choice(KINDS)
-                try:
-                    busy = getattr(self, kind)()
-                except WrongAnswer as error:
-                    with self.tally.lock:
-                        self.tally.wrong[kind] += 1
-                        if len(self.tally.examples) < 10:
-                            self.tally.examples.append(f"{kind}: {error}")
-                    continue
-                with self.tally.lock:
-                    (self.tally.busy if busy else self.tally.ok)[kind] += 1
-        finally:
-            self.http.close()
+            busy = getattr(self, kind)()
+        except WrongAnswer as error:
+            with self.tally.lock:
+                self.tally.wrong[kind] += 1
+                if len(self.tally.examples) < 10:
+                    self.tally.examples.append(f"{kind}: {error}")
+            return
+        with self.tally.lock:
+            (self.tally.busy if busy else self.tally.ok)[kind] += 1
+
+    def close(self) -> None:
+        self.http.close()
 
     def _body(self) -> dict:
         return {"input": self.rng.choice(TEXTS), "voice": VOICE, "seed": self.rng.choice(SEEDS)}
@@ -180,16 +200,6 @@ class Client:
         return False
 
 
-def rss_kb() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-
-
-def sample_rss(stop: threading.Event, samples: list[tuple[float, int]], started: float) -> None:
-    while not stop.wait(1.0):
-        samples.append((round(time.monotonic() - started, 1), rss_kb()))
-
-
 @contextmanager
 def serving_app(home: Path, max_streams: int) -> Iterator[str]:
     """The app (tiny demo model, PyTorch LM engine, CPU) under uvicorn on a free loopback port."""
@@ -211,57 +221,69 @@ def serving_app(home: Path, max_streams: int) -> Iterator[str]:
         yield base
 
 
+def in_threads(work: list[Callable[[], None]]) -> None:
+    """Run each of ``work`` in its own thread and wait for all."""
+    threads = [threading.Thread(target=job) for job in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def quiet_footprint(base: str) -> dict[str, int]:
+    """``footprint()`` once the server has no stream running or waiting."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{base}/health").json()
+        if health["active_streams"] == health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    return footprint()
+
+
 def run_soak(
     seconds: float,
     clients: int,
     max_streams: int = 4,
     seed: int = 0,
     home: Path | None = None,
+    waves: int = 10,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Serve the app and run ``clients`` clients for ``seconds``; returns the summary.
+    """Serve the app, warm up, and run ``clients`` clients for ``seconds`` in ``waves``; returns the
+    summary.
 
     ``home`` holds the demo model and voice features (default: a fresh temporary folder).
     """
     home = home or Path(tempfile.mkdtemp(prefix="cosyapp-soak-"))
     tally = Tally()
-    rss: list[tuple[float, int]] = []
     with serving_app(home, max_streams) as base:
-        log(f"serving on {base}; {clients} clients for {seconds:.0f} s")
+        log(f"serving on {base}; {clients} clients for {seconds:.0f} s in {waves} waves")
+        users = [Client(base, tally, seed + i) for i in range(clients)]
+        in_threads([user.warm_up for user in users])
+        samples = [quiet_footprint(base) | {"requests": tally.requests()}]
         started = time.monotonic()
-        stop = threading.Event()
-        sampler = threading.Thread(target=sample_rss, args=(stop, rss, started), daemon=True)
-        sampler.start()
-        workers = [
-            threading.Thread(target=Client(base, tally, seed + i).run, args=(started + seconds,))
-            for i in range(clients)
-        ]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        stop.set()
+        for _ in range(waves):  # every client sends at least one request per wave
+            deadline = time.monotonic() + seconds / waves
+            in_threads([functools.partial(user.run, deadline) for user in users])
+            samples.append(quiet_footprint(base) | {"requests": tally.requests()})
         elapsed = time.monotonic() - started
+        for user in users:
+            user.close()
         health = httpx.get(f"{base}/health").json()
-    memory = [kb for _, kb in rss] or [rss_kb()]
-    half = len(memory) // 2
+    growth = steady_growth(samples)
     return {
         "seconds": round(elapsed, 1),
         "clients": clients,
         "max_streams": max_streams,
-        "requests": sum(tally.ok.values()) + sum(tally.busy.values()) + sum(tally.wrong.values()),
+        "requests": tally.requests(),
         "ok": dict(tally.ok),
         "busy": dict(tally.busy),
         "wrong": dict(tally.wrong),
         "wrong_examples": tally.examples,
         "distinct_clips_checked": len(tally.clips),
-        "rss_mb": {
-            "first": round(memory[0] / 1024, 1),
-            "max_first_half": round(max(memory[: max(half, 1)]) / 1024, 1),
-            "max_second_half": round(max(memory[half:]) / 1024, 1),
-            "last": round(memory[-1] / 1024, 1),
-        },
-        "rss_samples": rss,
+        "growth_per_wave": growth,
+        "after_each_wave": samples,  # the first after the warm-up
         "health_after": {k: health[k] for k in ("status", "active_streams", "waiting", "lm_restarts")},
     }
 
@@ -277,14 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=4, help="the server's stream slots (default: 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (default: 0)")
     parser.add_argument(
+        "--waves", type=int, default=10, help="memory samples, one after each wave (default: 10)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("soak.json"), help="summary file (default: soak.json)"
     )
     args = parser.parse_args(argv)
-    if args.seconds <= 0 or args.clients < 1 or args.max_streams < 1:
-        parser.error("--seconds, --clients and --max-streams must be positive")
-    summary = run_soak(args.seconds, args.clients, args.max_streams, args.seed)
-    text = json.dumps({k: v for k, v in summary.items() if k != "rss_samples"}, indent=2)
-    print(text)
+    if args.seconds <= 0 or args.clients < 1 or args.max_streams < 1 or args.waves < 2:
+        parser.error("--seconds, --clients and --max-streams must be positive, --waves at least 2")
+    summary = run_soak(args.seconds, args.clients, args.max_streams, args.seed, waves=args.waves)
+    print(json.dumps({k: v for k, v in summary.items() if k != "after_each_wave"}, indent=2))
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"written to {args.out}")
     return 1 if summary["wrong"] else 0
