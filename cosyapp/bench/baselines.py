@@ -1,7 +1,7 @@
 """The alternatives, on the same model, the same voice and the same text, in the same run:
 
 (a) sequential serving: requests one after another on the plain PyTorch reference path
-    (``CosyVoice2.synthesize``), as a simple web demo does; whole clips;
+    (``ReferenceSynthesizer``), as a simple web demo does; whole clips;
 (b) this run's LM engine with token2wav one request at a time (the design of a first vLLM port);
 (c) the PyTorch LM engine with the batched token2wav worker;
 and cosyapp's ratios to each, against (d) the full engine: the ``pipeline`` driver's level of the same
@@ -12,11 +12,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import torch
-
 from cosyapp.bench.drivers import PipelineDriver
 from cosyapp.bench.levels import FIRST_SEED, measure
 from cosyapp.bench.load import TextSet
+from cosyapp.bench.reference import ReferenceSynthesizer
 from cosyapp.bench.stats import RequestResult, summarize
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.token2wav.worker import Token2Wav
@@ -31,20 +30,15 @@ SEQUENTIAL_NOTE = (
 async def sequential_reference(
     pipeline: Pipeline, voice: Voice, text: TextSet, clients: int, on_done: Callable[[], None]
 ) -> dict:
-    """Baseline (a): ``clients`` requests arriving at once, served one by one on the reference path."""
-    model = pipeline.model
-    prompt = voice.prompt(pipeline.text)
-    sentences = [torch.tensor(s.ids, dtype=torch.long) for s in pipeline.text.prepare(text.text)]
+    """Baseline (a): ``clients`` requests arriving at once, served one by one on the reference path,
+    each with its own seed as in the other levels."""
+    reference = ReferenceSynthesizer(pipeline.model, pipeline.text)
     results = []
     start = time.perf_counter()
     for i in range(clients):
-        generator = torch.Generator(model.device).manual_seed(FIRST_SEED + i)
-        samples = 0
-        for ids in sentences:
-            wave = await asyncio.to_thread(model.synthesize, ids, prompt, 1.0, generator)
-            samples += len(wave)
+        rate, wave = await asyncio.to_thread(reference.synthesize, text.text, voice, 1.0, FIRST_SEED + i)
         done = time.perf_counter() - start
-        results.append(RequestResult(chunks=[(done, samples / model.sample_rate)], total=done))
+        results.append(RequestResult(chunks=[(done, len(wave) / rate)], total=done))
         on_done()
     level = {"clients": clients, "streaming": False, "note": SEQUENTIAL_NOTE}
     return level | summarize(results, time.perf_counter() - start)
