@@ -124,8 +124,9 @@ def test_the_api_and_the_ui_give_identical_wav_bytes_for_the_same_clip(http, ui,
 LONG = "今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。明天早上再去跑步。"
 
 
-@pytest.mark.parametrize("sessions, clients", [(["", ""], 1), (["tab-a", "tab-b"], 2)])
-def test_fair_admission_counts_callers_without_a_session_by_address(url, service, sessions, clients):
+@pytest.mark.parametrize("sessions, clients", [(["", ""], 2), (["tab-a", "tab-a"], 1)])
+def test_fair_admission_keys_streams_by_page_session_else_by_gradio_session(url, service, sessions, clients):
+    """Two gradio_client Clients are two Gradio sessions; the same page session from both is one client."""
     health = service.pipeline.health
     callers = [Client(url, download_files=False, verbose=False) for _ in sessions]  # two Gradio sessions
     jobs = [

@@ -164,13 +164,16 @@ class Handlers:
         info = VoiceInfo(id=RECORDING, name="your recording", kind="user", shared=False)
         return Voice(info, features, prompt_text=prompt_text)
 
-    def request(self, form: SpeechForm, streaming: bool, address: str | None) -> SynthesisRequest:
+    def request(
+        self, form: SpeechForm, streaming: bool, address: str | None, gradio_session: str | None = None
+    ) -> SynthesisRequest:
         """Check the form, then build the request (a recording's features are computed here: call
-        it off the loop). ``address`` keys fair admission when the form has no session."""
+        it off the loop). Fair admission keys it by the page's session, else by the Gradio session
+        of an API client (each gradio_client Client is one), else by ``address``."""
         check_request(form.text, form.speed, form.seed, self.max_chars)
         voice = self.voice(form.voice_id, form.recording, form.prompt_text, form.session)
         seed = None if form.seed is None else int(form.seed)
-        client = client_key(form.session, address)
+        client = client_key(form.session or gradio_session, address)
         return SynthesisRequest(form.text, voice, float(form.speed), seed, streaming, client)
 
     # --- speaking -----------------------------------------------------------------------------
@@ -183,7 +186,9 @@ class Handlers:
         ttfa = None
         rate = self.pipeline.sample_rate
         with toasts():
-            request = await asyncio.to_thread(self.request, SpeechForm(**values), True, client_address(http))
+            request = await asyncio.to_thread(
+                self.request, SpeechForm(**values), True, client_address(http), http.session_hash
+            )
             stream = self.pipeline.stream(request)
             try:
                 async for chunk in stream:
