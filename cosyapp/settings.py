@@ -27,6 +27,8 @@ class Settings:
     gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization
     max_streams: int = DEFAULTS.max_streams
     first_hop: int = DEFAULTS.first_hop
+    flow_cache_gb: float = DEFAULTS.flow_cache_gb
+    chunked_final: bool = DEFAULTS.chunked_final
     max_text_chars: int = DEFAULTS.max_text_chars
     max_upload_mb: int = 20
     auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets stay out of logs
@@ -122,6 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(_env("FIRST_HOP", defaults.first_hop)),
         help="speech tokens in a stream's first audio chunk: fewer reach the first audio sooner, at some "
         "throughput; 25 is upstream's (default: %(default)s; env COSYAPP_FIRST_HOP)",
+    )
+    add(
+        "--flow-cache-gb",
+        type=float,
+        default=float(_env("FLOW_CACHE_GB", defaults.flow_cache_gb)),
+        help="GPU memory for the incremental streaming flow, which computes only each chunk's new frames "
+        "(about 115 MB per 50 frames of a stream at full size); 0 recomputes every chunk's prefix as "
+        "upstream (default: %(default)s; env COSYAPP_FLOW_CACHE_GB)",
+    )
+    add(
+        "--chunked-final",
+        action="store_true",
+        default=_flag("CHUNKED_FINAL"),
+        help="with --flow-cache-gb: compute a stream's last chunk incrementally with streaming masks, "
+        "not upstream's full-attention recompute: faster, different last-chunk audio "
+        "(env COSYAPP_CHUNKED_FINAL=1)",
     )
     add(
         "--max-text-chars",

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="run the flow estimator eagerly (default: replayed from CUDA graphs on a GPU)",
     )
+    add(
+        "--flow-cache-gb",
+        type=float,
+        default=DEFAULTS.flow_cache_gb,
+        help="memory for the incremental streaming flow; 0 = recompute (default: %(default)s)",
+    )
+    add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
     add("--workdir", default=None, help="where the random model and caches go (default: a new temp folder)")
     add("--out", type=Path, default=Path("bench.json"), help="result JSON; plots go beside it")
     return parser
@@ -147,6 +154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             gpu_memory_utilization=args.gpu_memory_utilization,
             first_hop=args.first_hop,
             cuda_graphs=args.cuda_graphs,
+            flow_cache_gb=args.flow_cache_gb,
+            chunked_final=args.chunked_final,
         )
     except OptionError as e:
         parser.error(e.flag())

@@ -70,7 +70,15 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
         model,
         TextFrontend(model.model_dir / BACKBONE_DIR, max_chars=options.max_text_chars),
         build_lm_engine(model, options),
-        Token2Wav(model, max_batch=options.max_batch, first_hop=options.first_hop, autocast_dtype=flow_dtype),
+        Token2Wav(
+            model,
+            max_batch=options.max_batch,
+            first_hop=options.first_hop,
+            autocast_dtype=flow_dtype,
+            flow_cache_bytes=int(options.flow_cache_gb * 2**30),
+            flow_cache_graphs=options.cuda_graphs and model.device.type == "cuda",
+            chunked_final=options.chunked_final,
+        ),
         max_streams=options.max_streams,
         max_waiting=options.max_waiting,
     )

@@ -161,7 +161,11 @@ class VoicePages:
         return entry
 
     def put(self, key: str, entry: VoiceEntry) -> None:
-        """Keep ``entry`` (its pages already retained for the cache) under ``key``."""
+        """Keep ``entry`` under ``key``, taking over one reference to its pages (given back at once
+        when the entry alone is over the limit)."""
+        if len(entry.pages) > self.max_pages:
+            self.pool.release(entry.pages)
+            return
         while self._entries and self._held + len(entry.pages) > self.max_pages:
             _, old = self._entries.popitem(last=False)
             self._held -= len(old.pages)
@@ -359,12 +363,16 @@ class IncrementalFlow:
         )
         graphed = self.graphs is not None and None not in padded
         shape = padded if graphed else exact
-        inputs = _inputs(self.flow, items, plan, mu_all, spks, shape, self.pool.page)
-        if graphed:
-            x, tails = self.graphs.run(inputs)
-        else:
-            cfg_rate = self.flow.decoder.inference_cfg_rate
-            x, tails = run_cfm(raw_estimator(self.flow), self.pool.k, self.pool.v, inputs, cfg_rate)
+        try:
+            inputs = _inputs(self.flow, items, plan, mu_all, spks, shape, self.pool.page)
+            if graphed:
+                x, tails = self.graphs.run(inputs)
+            else:
+                cfg_rate = self.flow.decoder.inference_cfg_rate
+                x, tails = run_cfm(raw_estimator(self.flow), self.pool.k, self.pool.v, inputs, cfg_rate)
+        except BaseException:
+            self.pool.release([p for pages in plan.pages for p in pages])  # the call commits nothing
+            raise
         mel = x.float()
         rows = shape[0]
         results = []

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cosyapp.engine.token2wav.chunking import PRE_LOOKAHEAD, ChunkSchedule, HiFTOverlap, StreamingSpeedChange
+from cosyapp.engine.token2wav.flow_cache import FlowCache
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
 
@@ -75,6 +76,8 @@ class Stream:
     resampler: StreamingSpeedChange | None = field(init=False)  # streaming speed change only
     overlap: HiFTOverlap = field(default_factory=HiFTOverlap)
     failed: bool = False  # a job of this stream failed: its later jobs are skipped
+    flow_cache: "FlowCache | None" = None  # its incremental flow state (cached.py); None: recompute
+    flow_cache_refused: bool = False  # the pool could not serve it: recompute from then on
 
     def __post_init__(self) -> None:
         self.schedule = ChunkSchedule(len(self.prompt.speech_tokens), self.first_hop)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.stream import Job, Stream
@@ -54,7 +55,9 @@ class Token2Wav:
     max_batch: most jobs taken per worker step. first_hop: tokens of the first streaming hop before
     its alignment pad (25 as upstream; see ChunkSchedule for smaller values). autocast_dtype: run
     the flow under autocast (fp16/bf16 on CUDA); HiFT always runs in float32, as upstream.
-    Jobs submitted before start() wait for it.
+    flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
+    every chunk's prefix as upstream; flow_cache_graphs: replay its calls from CUDA graphs;
+    chunked_final: see CachedFlow. Jobs submitted before start() wait for it.
     """
 
     def __init__(
@@ -63,6 +66,9 @@ class Token2Wav:
         max_batch: int = DEFAULTS.max_batch,
         first_hop: int = DEFAULTS.first_hop,
         autocast_dtype: torch.dtype | None = None,
+        flow_cache_bytes: int = 0,
+        flow_cache_graphs: bool = False,
+        chunked_final: bool = DEFAULTS.chunked_final,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -75,6 +81,10 @@ class Token2Wav:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._stats = Token2WavStats()
+        self.cached: CachedFlow | None = None
+        if flow_cache_bytes:
+            dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
+            self.cached = CachedFlow(model, flow_cache_bytes, dtype, flow_cache_graphs, chunked_final)
 
     def start(self) -> None:
         """Start the worker thread; idempotent."""
@@ -182,13 +192,58 @@ class Token2Wav:
         return jobs
 
     def _flow(self, jobs: list[Job]) -> None:
-        """Set job.mel for every job: one padded flow call per (streaming, finalize) mode."""
+        """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
+        recompute call per (streaming, finalize) mode for the rest."""
+        if self.cached is not None:
+            jobs = self._incremental(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
         for (streaming, finalize), group in groups.items():
             flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
             retry_in_halves(group, flow, lambda batch: batch, "flow")
+
+    def _incremental(self, jobs: list[Job]) -> list[Job]:
+        """Run the jobs the incremental flow takes, a round of at most one job per stream at a time
+        (a stream's next chunk starts from this one's pages); returns the jobs left to recompute."""
+        cached = self.cached
+        assert cached is not None
+        cached.sweep()
+        dev = self.model.device
+        with torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            taken = []
+            for job in jobs:
+                with failing([job], "flow cache"):
+                    if cached.takes(job):
+                        taken.append(job)
+            rest = [job for job in jobs if job not in taken and job.stream.live]
+
+            def run(batch: list[Job]) -> None:
+                rest.extend(self._timed(cached.run, batch))
+
+            for jobs_round in rounds(taken):
+                for final in (False, True):
+                    group = [j for j in jobs_round if j.finalize == final and j.stream.live]
+                    # A stream the pool could not serve at an earlier round recomputes from then on.
+                    rest.extend(j for j in group if j.stream.flow_cache is None)
+                    group = [j for j in group if j.stream.flow_cache is not None]
+                    if group:
+                        retry_in_halves(group, run, lambda b: b, "flow")
+        for job in rest:
+            if job.finalize:
+                cached.release(job.stream)  # its last chunk is a full recompute: no pages needed
+        return rest
+
+    def _timed(self, run, jobs: list[Job]):
+        started = time.perf_counter()
+        result = run(jobs)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)  # count the device time, not just the launches
+        self._stats.flow_calls += 1
+        self._stats.flow_seconds += time.perf_counter() - started
+        self._stats.last_flow_batch = len(jobs)
+        self._stats.max_flow_batch = max(self._stats.max_flow_batch, len(jobs))
+        return result
 
     def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
         """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""

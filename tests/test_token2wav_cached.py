@@ -1,0 +1,110 @@
+"""The token2wav worker with the incremental streaming flow (tiny model, CPU, float32): the same audio
+as the recompute path, pages given back however a stream ends, and the fall back to recomputing."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_token2wav import _as_lm, _prompt, _tokens
+
+from cosyapp.engine.token2wav.flow_cache import KVPool, raw_estimator
+from cosyapp.engine.token2wav.worker import Token2Wav
+
+POOL = 64 << 20  # bytes: plenty of pages for the tiny model
+
+
+def page_bytes(model) -> int:
+    return KVPool.page_bytes(
+        raw_estimator(model.flow), model.flow.decoder.n_timesteps, model.flow.input_embedding.weight.dtype
+    )
+
+
+def run(model, main, **options):
+    async def runner():
+        engine = Token2Wav(model, **options)
+        engine.start()
+        try:
+            return await main(engine)
+        finally:
+            engine.stop()
+
+    return asyncio.run(runner())
+
+
+async def streams(engine: Token2Wav, specs: list[tuple[int, int, int, float]]) -> list[list[np.ndarray]]:
+    """Streams (prompt length, tokens, seed, speed) run concurrently; each one's chunks."""
+
+    async def one(prompt_len, count, seed, speed):
+        stream = engine.open_stream(_prompt(prompt_len, seed), speed=speed, seed=seed)
+        return [chunk async for chunk in stream.run(_as_lm(_tokens(count, seed)))]
+
+    return await asyncio.gather(*(one(*spec) for spec in specs))
+
+
+SPECS = [(75, 160, 1, 1.0), (37, 120, 2, 1.0), (75, 90, 3, 1.5), (12, 140, 4, 0.8)]
+
+
+def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]):
+    assert [len(c) for c in got] == [len(c) for c in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1e-3, float(np.abs(b).max())))
+
+
+def test_cached_streams_give_the_recompute_audio(tiny_model):
+    want = run(tiny_model, lambda e: streams(e, SPECS))
+
+    async def main(engine):
+        got = await streams(engine, SPECS)
+        return got, engine.cached
+
+    got, cached = run(tiny_model, main, flow_cache_bytes=POOL)
+    for g, w in zip(got, want, strict=True):
+        assert_same_chunks(g, w)
+    assert not cached.holders and cached.fallbacks == 0
+    held = sum(len(e.pages) for e in cached.voices._entries.values())
+    assert held > 0 and cached.pool.free_pages == len(cached.pool._refs) - 1 - held
+
+
+def test_a_full_pool_falls_back_to_recomputing_with_the_same_audio(tiny_model):
+    want = run(tiny_model, lambda e: streams(e, SPECS))
+
+    async def main(engine):
+        return await streams(engine, SPECS), engine.cached
+
+    # 3 pages: no stream of 90 tokens or more fits, whatever the timing, so every one falls back.
+    got, cached = run(tiny_model, main, flow_cache_bytes=3 * page_bytes(tiny_model))
+    for g, w in zip(got, want, strict=True):
+        assert_same_chunks(g, w)
+    assert cached.fallbacks > 0 and not cached.holders
+
+
+def test_a_cancelled_stream_gives_its_pages_back(tiny_model):
+    async def main(engine):
+        free = engine.cached.pool.free_pages
+
+        async def lm_that_stalls():  # 100 tokens, then nothing until the stream is closed
+            yield _tokens(100, 9)
+            await asyncio.Event().wait()
+
+        stream = engine.open_stream(_prompt(75, 9), seed=9)
+        chunks = stream.run(lm_that_stalls())
+        await anext(chunks)  # the first chunk is out; the stream holds pages now
+        assert engine.cached.holders
+        await chunks.aclose()
+        await streams(engine, [(37, 60, 5, 1.0)])  # the worker's next step sweeps
+        voices = sum(len(e.pages) for e in engine.cached.voices._entries.values())
+        return free, engine.cached, voices
+
+    free, cached, voices = run(tiny_model, main, flow_cache_bytes=POOL)
+    assert not cached.holders
+    assert cached.pool.free_pages == free - voices
+
+
+@pytest.mark.parametrize("speed", [1.0, 1.3])
+def test_a_chunked_final_changes_only_the_last_chunk(tiny_model, speed):
+    spec = [(75, 160, 6, speed)]
+    [want] = run(tiny_model, lambda e: streams(e, spec))
+    [got] = run(tiny_model, lambda e: streams(e, spec), flow_cache_bytes=POOL, chunked_final=True)
+    assert [len(c) for c in got] == [len(c) for c in want]
+    assert_same_chunks(got[:-1], want[:-1])
+    assert not np.allclose(got[-1], want[-1], atol=1e-4)
