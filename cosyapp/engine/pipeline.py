@@ -114,7 +114,10 @@ class Pipeline:
                 await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
-        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once."""
+        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once.
+
+        A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
+        incremental flow's graphs of those shapes are captured here rather than during requests."""
         g = torch.Generator().manual_seed(0)
         prompt = PromptInputs(
             text_ids=torch.zeros(1, dtype=torch.long),
@@ -122,7 +125,7 @@ class Pipeline:
             speech_feat=torch.randn(150, 80, generator=g) - 5.0,
             embedding=torch.randn(192, generator=g),
         )
-        tokens = torch.randint(0, 6561, (100,), generator=g).tolist()
+        tokens = torch.randint(0, 6561, (260,), generator=g).tolist()
 
         async def streamed() -> None:
             async def feed():
