@@ -35,7 +35,8 @@ class ServeOptions:
     kv_cache_memory_bytes: vLLM's KV cache on a CPU (on a GPU the utilisation sizes it).
     cuda_graphs: replay the flow estimator from CUDA graphs on a GPU, captured at start-up.
     flow_cache_gb: memory for the incremental streaming flow (a chunk computes only its new frames,
-        engine/token2wav/cached.py); 0 recomputes every chunk's prefix, as upstream.
+        engine/token2wav/cached.py); None = 70 % of the GPU memory free once the LM engine has
+        started (off on a CPU); 0 recomputes every chunk's prefix, as upstream.
     chunked_final: with the flow cache, compute a stream's last chunk with the streaming masks too
         instead of upstream's full attention over the whole sentence (docs/model.md §8.7).
 
@@ -53,7 +54,7 @@ class ServeOptions:
     flow_dtype: str | None = None
     kv_cache_memory_bytes: int = 256 << 20
     cuda_graphs: bool = True
-    flow_cache_gb: float = 0.0
+    flow_cache_gb: float | None = None
     chunked_final: bool = False
 
     def __post_init__(self) -> None:
@@ -73,7 +74,7 @@ class ServeOptions:
                 f"must be between {MIN_FIRST_HOP} and {MAX_HOP}",
             ),
             ("max_text_chars", self.max_text_chars >= 1, "must be at least 1"),
-            ("flow_cache_gb", self.flow_cache_gb >= 0, "must not be negative"),
+            ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),
         ]
         for name, ok, rule in rules:

@@ -27,7 +27,7 @@ class Settings:
     gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization
     max_streams: int = DEFAULTS.max_streams
     first_hop: int = DEFAULTS.first_hop
-    flow_cache_gb: float = DEFAULTS.flow_cache_gb
+    flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
     max_text_chars: int = DEFAULTS.max_text_chars
     max_upload_mb: int = 20
@@ -128,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--flow-cache-gb",
         type=float,
-        default=float(_env("FLOW_CACHE_GB", defaults.flow_cache_gb)),
+        default=_env("FLOW_CACHE_GB", defaults.flow_cache_gb),
         help="GPU memory for the incremental streaming flow, which computes only each chunk's new frames "
         "(about 115 MB per 50 frames of a stream at full size); 0 recomputes every chunk's prefix as "
-        "upstream (default: %(default)s; env COSYAPP_FLOW_CACHE_GB)",
+        "upstream (default: 70%% of the GPU memory free once the LM engine has started; off on a CPU; "
+        "env COSYAPP_FLOW_CACHE_GB)",
     )
     add(
         "--chunked-final",

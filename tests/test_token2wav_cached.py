@@ -108,3 +108,19 @@ def test_a_chunked_final_changes_only_the_last_chunk(tiny_model, speed):
     assert [len(c) for c in got] == [len(c) for c in want]
     assert_same_chunks(got[:-1], want[:-1])
     assert not np.allclose(got[-1], want[-1], atol=1e-4)
+
+
+def test_the_default_sizes_the_pool_at_start_and_is_off_on_a_cpu(tiny_model):
+    engine = Token2Wav(tiny_model, flow_cache_bytes=None)
+    engine.start()
+    try:
+        assert engine.cached is None  # no GPU: every chunk recomputes its prefix
+    finally:
+        engine.stop()
+    engine = Token2Wav(tiny_model, flow_cache_bytes=3 * page_bytes(tiny_model))
+    assert engine.cached is None  # the pool is allocated at start, after the LM engine's
+    engine.start()
+    try:
+        assert engine.cached.pool.free_pages == 3
+    finally:
+        engine.stop()

@@ -75,7 +75,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
             max_batch=options.max_batch,
             first_hop=options.first_hop,
             autocast_dtype=flow_dtype,
-            flow_cache_bytes=int(options.flow_cache_gb * 2**30),
+            flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
             flow_cache_graphs=options.cuda_graphs and model.device.type == "cuda",
             chunked_final=options.chunked_final,
         ),

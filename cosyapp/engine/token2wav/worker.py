@@ -30,6 +30,10 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
 logger = logging.getLogger(__name__)
+# Of the GPU memory free once the LM engine has started, what the incremental flow's pages take by
+# default; the rest is for flow and HiFT activations and the CUDA graphs (measured on an H200 with
+# vLLM at 0.3: a 70 GB pool beside 64 streams).
+FLOW_CACHE_SHARE = 0.7
 
 
 @dataclass
@@ -56,7 +60,8 @@ class Token2Wav:
     its alignment pad (25 as upstream; see ChunkSchedule for smaller values). autocast_dtype: run
     the flow under autocast (fp16/bf16 on CUDA); HiFT always runs in float32, as upstream.
     flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
-    every chunk's prefix as upstream; flow_cache_graphs: replay its calls from CUDA graphs;
+    every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
+    on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. Jobs submitted before start() wait for it.
     """
 
@@ -66,7 +71,7 @@ class Token2Wav:
         max_batch: int = DEFAULTS.max_batch,
         first_hop: int = DEFAULTS.first_hop,
         autocast_dtype: torch.dtype | None = None,
-        flow_cache_bytes: int = 0,
+        flow_cache_bytes: int | None = 0,
         flow_cache_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
     ):
@@ -82,16 +87,26 @@ class Token2Wav:
         self._stopped = False
         self._stats = Token2WavStats()
         self.cached: CachedFlow | None = None
-        if flow_cache_bytes:
-            dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
-            self.cached = CachedFlow(model, flow_cache_bytes, dtype, flow_cache_graphs, chunked_final)
+        self._flow_cache = (flow_cache_bytes, flow_cache_graphs, chunked_final)
 
     def start(self) -> None:
-        """Start the worker thread; idempotent."""
+        """Start the worker thread, first giving the incremental flow its pages; idempotent."""
+        if self.cached is None:
+            self.cached = self._cached_flow(*self._flow_cache)
         if self._thread is None:
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
+
+    def _cached_flow(self, size: int | None, graphs: bool, chunked_final: bool) -> CachedFlow | None:
+        dev = self.model.device
+        if size is None:
+            # Sized at start, when the LM engine holds its share: the pool is allocated at once.
+            size = int(FLOW_CACHE_SHARE * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
+        if not size:
+            return None
+        dtype = self.autocast_dtype or self.model.flow.input_embedding.weight.dtype
+        return CachedFlow(self.model, size, dtype, graphs, chunked_final)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
