@@ -6,14 +6,8 @@ tests/ui/test_ui_hardening.py. docs/hardening.md lists them all.
 
 import pytest
 
-from cosyapp.frontend.text import (
-    MAX_PIECE_LEN,
-    MAX_SENTENCE_LEN,
-    TextError,
-    TextFrontend,
-    cut_long_pieces,
-    unsupported_script,
-)
+from cosyapp.frontend.split import MAX_PIECE_LEN, MAX_SENTENCE_LEN, cut_long_pieces
+from cosyapp.frontend.text import TextError, TextFrontend, unsupported_script
 from cosyapp.models.checkpoint import BACKBONE_DIR
 
 

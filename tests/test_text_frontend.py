@@ -13,17 +13,13 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
+from cosyapp.frontend.split import EN_MARKS, ZH_MARKS, cut_at_marks, merge_pieces, split_paragraph
 from cosyapp.frontend.text import (
     ADDITIONAL_SPECIAL_TOKENS,
-    EN_MARKS,
-    ZH_MARKS,
     Sentence,
     TextError,
     TextFrontend,
-    cut_at_marks,
     log_short_sentences,
-    merge_pieces,
-    split_paragraph,
 )
 from cosyapp.models.checkpoint import BACKBONE_DIR
 

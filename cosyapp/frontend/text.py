@@ -13,11 +13,12 @@ import itertools
 import logging
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cosyapp.errors import TextError as TextError  # raised here, caught at the edges
+from cosyapp.frontend.split import EN_MARKS, ZH_MARKS, split_paragraph
 from cosyapp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -46,17 +47,6 @@ ADDITIONAL_SPECIAL_TOKENS = (
     "[mn]",
 )
 
-# split_paragraph as upstream calls it; lengths are characters for Chinese, tokens otherwise.
-MAX_LEN = 80
-MIN_LEN = 60
-MERGE_LEN = 20
-# Not upstream: a piece with no sentence mark for this long is cut at spaces or commas, so that no
-# sentence (one LM request) grows past MAX_SENTENCE_LEN however the text is written.
-MAX_PIECE_LEN = 2 * MAX_LEN
-MAX_SENTENCE_LEN = MIN_LEN + MAX_PIECE_LEN + MERGE_LEN
-ZH_MARKS = frozenset("。？！；：、.?!;")
-EN_MARKS = frozenset(".?!;:")
-CLOSING_QUOTES = ('"', "”")
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 _DIGIT = re.compile(r"\d")
@@ -65,7 +55,6 @@ _TRAILING_COMMAS = re.compile(r"[，,、]+$")
 # C0/C1 control characters except tab and newline, and lone surrogates (JSON can carry them, but
 # they cannot be encoded for the tokenizer).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-_BREAK_AFTER = re.compile(r"(?<=[\s,，、])")
 # Scripts of the languages CosyVoice 2 was trained on (Chinese, English, Japanese, Korean).
 _SUPPORTED_LETTER = r"[\p{Latin}\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}]"
 
@@ -295,98 +284,6 @@ def remove_blanks(text: str) -> str:
 
     kept = (c for i, c in enumerate(text) if c != " " or (ascii_word_char(i - 1) and ascii_word_char(i + 1)))
     return "".join(kept)
-
-
-def split_paragraph(
-    text: str, marks: frozenset[str], end_mark: str, length: Callable[[str], int]
-) -> list[str]:
-    """Upstream's ``split_paragraph``: cut ``text`` after sentence marks, then merge to ~60-80 length.
-
-    ``end_mark`` is appended when ``text`` does not end with one of ``marks``; ``length`` measures a
-    string (characters for Chinese, tokens otherwise). Returns [] for empty text.
-    """
-    if not text:
-        return []
-    if text[-1] not in marks:
-        text += end_mark
-    return merge_pieces(cut_long_pieces(cut_at_marks(text, marks), MAX_PIECE_LEN, length), length)
-
-
-def cut_at_marks(text: str, marks: frozenset[str]) -> list[str]:
-    """Pieces of ``text``, each ending with a mark, or with a closing quote that follows a mark.
-
-    As upstream, a mark with no text since the previous cut is dropped; if a quote follows it, the
-    quote still goes onto the previous piece. Text after the last mark is dropped (callers end the
-    text with a mark).
-    """
-    pieces: list[str] = []
-    start = 0
-    for i, char in enumerate(text):
-        if char not in marks:
-            continue
-        if i > start:
-            pieces.append(text[start : i + 1])
-        quote = text[i + 1 : i + 2]
-        if quote in CLOSING_QUOTES:
-            # Upstream fails when there is no previous piece (the text starts with a mark and a quote).
-            if pieces:
-                pieces[-1] += quote
-            else:
-                pieces.append(quote)
-            start = i + 2
-        else:
-            start = i + 1
-    return pieces
-
-
-def cut_long_pieces(pieces: Sequence[str], limit: int, length: Callable[[str], int]) -> list[str]:
-    """``pieces`` with each one longer than ``limit`` (as ``length`` measures) cut into parts.
-
-    Cuts go after whitespace or commas, packing as many words into a part as fit; a word longer than
-    ``limit`` on its own is cut between characters. Every part is at most ``limit`` long (a character
-    is at most 4 byte-level tokens, so ``limit`` must be at least 4). Nothing is added or lost.
-    """
-    assert limit >= 4, limit
-    parts: list[str] = []
-    for piece in pieces:
-        if length(piece) <= limit:
-            parts.append(piece)
-            continue
-        part = ""
-        for word in _BREAK_AFTER.split(piece):
-            if part and length(part + word) > limit:
-                parts.append(part)
-                part = ""
-            while length(part + word) > limit:  # part is empty: one word longer than the limit
-                n = len(word)
-                while length(word[:n]) > limit:
-                    n //= 2
-                parts.append(word[:n])
-                word = word[n:]
-            part += word
-        if part:
-            parts.append(part)
-    return parts
-
-
-def merge_pieces(pieces: Sequence[str], length: Callable[[str], int]) -> list[str]:
-    """Greedy merge of ``pieces`` into sentences.
-
-    A sentence is closed when it is longer than ``MIN_LEN`` and adding the next piece would make it
-    longer than ``MAX_LEN``. A tail shorter than ``MERGE_LEN`` is glued onto the last sentence.
-    """
-    sentences: list[str] = []
-    buffer = ""
-    for piece in pieces:
-        if length(buffer + piece) > MAX_LEN and length(buffer) > MIN_LEN:
-            sentences.append(buffer)
-            buffer = ""
-        buffer += piece
-    if buffer and length(buffer) < MERGE_LEN and sentences:
-        sentences[-1] += buffer
-    elif buffer:
-        sentences.append(buffer)
-    return sentences
 
 
 def has_nothing_to_read(text: str) -> bool:
