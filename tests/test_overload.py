@@ -17,7 +17,6 @@ import httpx
 import pytest
 from test_server import VOICE, make_service, serving, wait_until
 
-from cosyapp.bench.memory import footprint, steady_growth
 from cosyapp.engine.admission import BusyError, FairAdmission
 from cosyapp.engine.lm.torch_engine import TorchSpeechLM
 from cosyapp.engine.pipeline import Pipeline, SynthesisRequest
@@ -27,6 +26,7 @@ from cosyapp.frontend.voice import VoiceFrontend
 from cosyapp.frontend.voices import VoiceLibrary
 from cosyapp.modelgen.tiny import write_random_model
 from cosyapp.models.checkpoint import load_model
+from cosyapp.soak.memory import footprint, steady_growth
 from cosyapp.web.server import build_app
 
 SAMPLES_PER_TOKEN = 960  # 24 kHz audio, 25 speech tokens per second
@@ -255,7 +255,7 @@ def test_a_thousand_streams_cancelled_midway_leave_nothing_behind(parts):
     assert after["tasks"] == before["tasks"]
     assert after["threads"] == before["threads"]
     assert after["fds"] <= before["fds"] + 2
-    # Median growth per wave of 100 streams (cosyapp/bench/memory.py says why not RSS): a leak of one
+    # Median growth per wave of 100 streams (cosyapp/soak/memory.py says why not RSS): a leak of one
     # tensor, one object or 100 kB of heap per stream would exceed each bound in every wave.
     assert growth["tensors"] <= 10 and growth["objects"] < 100 and growth["heap_kb"] < 10_000, samples
 

@@ -1,5 +1,5 @@
 """The soak test in its short form: the app on loopback, a few clients mixing good and bad requests
-for 30 s (``python -m cosyapp.bench.soak`` runs the long form)."""
+for 30 s (``python -m cosyapp.soak`` runs the long form)."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from cosyapp.bench.soak import KINDS, Tally, WrongAnswer, main, run_soak  # noqa: E402
+from cosyapp.soak.run import KINDS, Tally, WrongAnswer, main, run_soak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_a_short_soak_answers_every_request_correctly(soak):
 
 
 def test_a_short_soak_leaks_nothing(soak):
-    # Median growth from one wave to the next, sampled with nothing in flight (bench/memory.py says
+    # Median growth from one wave to the next, sampled with nothing in flight (soak/memory.py says
     # why not RSS). Objects grow by design while the first minutes fill the UI's stats ring (one per
     # second) and the metrics' window (one per request): about two per request here. A leak of a
     # tensor per request, of a stream's worth of objects, or of 1 MB per request reaches a bound.

@@ -6,6 +6,7 @@ serving.py    the benchmark's own server (the app of cosyapp.web.server on a fre
 stats.py      per-request results, latency/throughput/underrun summaries, engine statistics
 levels.py     one setting: N concurrent requests through a driver, measured
 baselines.py  the alternatives on the same model and load, and cosyapp's ratios to them
-report.py     hardware, versions, table rows; plots.py: the PNG figures
+report.py     hardware, versions, table rows and the PNG figures
+reference.py  the plain PyTorch reference path, baseline (a)
 run.py        the whole run; __main__.py: the command line
 """

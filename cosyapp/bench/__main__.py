@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cosyapp.bench.drivers import DRIVERS
 from cosyapp.bench.load import MODEL_RATIO, TEXT_SETS
-from cosyapp.bench.plots import plot_paths, write_plots
+from cosyapp.bench.report import plot_paths, write_plots
 from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")

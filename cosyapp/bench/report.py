@@ -1,4 +1,10 @@
-"""What a result file says about where and how it was measured, and the table printed while running."""
+"""What a result file says about where and how it was measured, the table printed while running, and
+its figures, PNG files beside its JSON (``out.json`` -> ``out-latency.png``, ...):
+
+- latency: TTFA and total latency (p50 solid, p99 dashed) against concurrency, one column per text;
+- throughput: seconds of audio per wall second against concurrency, baselines as markers;
+- stages: flow, HiFT and the rest of each level's wall time, per text and mode (engine statistics).
+"""
 
 import importlib.metadata
 import os
@@ -84,3 +90,143 @@ def row(level: dict) -> str:
     if level["failed"]:
         parts.append(f"FAILED {level['failed']}: {level['errors'][0]}")
     return "  ".join(parts)
+
+
+FIGURES = ("latency", "throughput", "stages")
+
+
+def plot_paths(out: Path) -> dict[str, Path]:
+    """Where the figures of the result file ``out`` go."""
+    return {name: out.with_name(f"{out.stem}-{name}.png") for name in FIGURES}
+
+
+def write_plots(result: dict, out: Path) -> None:
+    """Draw the three figures of ``result`` at ``plot_paths(out)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    paths = plot_paths(out)
+    levels = result["levels"]
+    texts = list(dict.fromkeys(level["text"] for level in levels))
+    for name, draw in (("latency", _latency), ("throughput", _throughput), ("stages", _stages)):
+        figure = draw(plt, result, texts)
+        figure.savefig(paths[name], dpi=110)
+        plt.close(figure)
+
+
+def _series(levels: list[dict], text: str) -> dict[str, list[dict]]:
+    """Levels of ``text`` by "driver mode", each sorted by concurrency."""
+    series: dict[str, list[dict]] = {}
+    for level in levels:
+        if level["text"] == text:
+            label = f"{level['driver']} {'stream' if level['streaming'] else 'whole'}"
+            series.setdefault(label, []).append(level)
+    return {label: sorted(group, key=lambda lv: lv["clients"]) for label, group in series.items()}
+
+
+def _axes(plt, rows: int, columns: int):
+    return plt.subplots(
+        rows, columns, figsize=(5 * columns + 2, 4 * rows), squeeze=False, layout="constrained"
+    )
+
+
+def _legend(figure, axes) -> None:
+    """One legend for the whole figure, right of the plots (series repeat across them)."""
+    entries = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    figure.legend(entries.values(), entries.keys(), loc="outside right upper", fontsize=7)
+
+
+def _concurrency_axis(ax, clients: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(clients)), [str(c) for c in sorted(set(clients))])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent requests")
+    ax.grid(True, alpha=0.3)
+
+
+def _latency(plt, result: dict, texts: list[str]):
+    figure, axes = _axes(plt, 2, len(texts))
+    for column, text in enumerate(texts):
+        for row, (key, title) in enumerate((("ttfa", "time to first audio"), ("total", "total latency"))):
+            ax = axes[row][column]
+            for index, (label, group) in enumerate(_series(result["levels"], text).items()):
+                color = f"C{index}"
+                clients = [lv["clients"] for lv in group]
+                for q, style in (("p50", "-"), ("p99", "--")):
+                    values = [lv[f"{key}_{q}"] for lv in group]
+                    ax.plot(clients, values, style, marker="o", color=color, label=f"{label} {q}")
+            _concurrency_axis(ax, [lv["clients"] for lv in result["levels"]])
+            ax.set_yscale("log")
+            ax.set_ylabel("seconds")
+            ax.set_title(f"{title}, text '{text}'")
+    _legend(figure, axes)
+    return figure
+
+
+def _throughput(plt, result: dict, texts: list[str]):
+    figure, axes = _axes(plt, 1, len(texts))
+    for column, text in enumerate(texts):
+        ax = axes[0][column]
+        for label, group in _series(result["levels"], text).items():
+            ax.plot(
+                [lv["clients"] for lv in group],
+                [lv["audio_per_wall_s"] for lv in group],
+                marker="o",
+                label=label,
+            )
+        if result.get("baselines_text") == text:
+            for marker, (name, base) in zip("sDv", result["baselines"].items(), strict=False):
+                if "audio_per_wall_s" in base:
+                    ax.plot(
+                        base["clients"], base["audio_per_wall_s"], marker, color="k", label=f"baseline {name}"
+                    )
+        baseline_clients = [b["clients"] for b in result["baselines"].values() if "clients" in b]
+        _concurrency_axis(ax, [lv["clients"] for lv in result["levels"]] + baseline_clients)
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds of audio per wall second")
+        ax.set_title(f"throughput, text '{text}'")
+    _legend(figure, axes)
+    return figure
+
+
+def _stages(plt, result: dict, texts: list[str]):
+    """Stacked bars per level of the first driver with engine statistics (all drivers share the engine)."""
+    measured = [lv for lv in result["levels"] if lv["stages"] is not None]
+    if not measured:
+        figure, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no engine statistics: the server ran in another process", ha="center")
+        return figure
+    driver = measured[0]["driver"]
+    modes = sorted({lv["streaming"] for lv in measured}, reverse=True)
+    figure, axes = _axes(plt, len(modes), len(texts))
+    for row, streaming in enumerate(modes):
+        for column, text in enumerate(texts):
+            ax = axes[row][column]
+            group = sorted(
+                (
+                    lv
+                    for lv in measured
+                    if (lv["driver"], lv["text"], lv["streaming"]) == (driver, text, streaming)
+                ),
+                key=lambda lv: lv["clients"],
+            )
+            names = [str(lv["clients"]) for lv in group]
+            flow = [lv["stages"]["flow_s"] for lv in group]
+            hift = [lv["stages"]["hift_s"] for lv in group]
+            rest = [max(lv["wall_s"] - f - h, 0.0) for lv, f, h in zip(group, flow, hift, strict=True)]
+            ax.bar(names, flow, label="flow")
+            ax.bar(names, hift, bottom=flow, label="HiFT")
+            ax.bar(names, rest, bottom=[f + h for f, h in zip(flow, hift, strict=True)], label="rest of wall")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("seconds of the level's wall time")
+            mode = "stream" if streaming else "whole"
+            ax.set_title(f"{driver} {mode}, text '{text}'", fontsize=9)
+    figure.suptitle("token2wav time per level; the LM decodes beside it", fontsize=10)
+    _legend(figure, axes)
+    return figure

@@ -1,4 +1,4 @@
-"""Soak test: ``python -m cosyapp.bench.soak`` serves the app on loopback with the tiny demo model and runs
+"""Soak test: ``python -m cosyapp.soak`` serves the app on loopback with the tiny demo model and runs
 N concurrent clients mixing good and bad requests for a while, then prints and writes a JSON summary.
 
 Every good answer must be correct audio (24 kHz mono 16-bit, whole token hops; the same text and
@@ -9,9 +9,9 @@ Gradio's busy error) is allowed and counted. The exit status is 1 when any answe
 
 Memory: every client first sends one request of each kind (warm-up), then the run goes in waves; after
 each, with nothing in flight, the process's live objects, tensors and RSS are sampled, and the
-summary gives their median growth per wave (see cosyapp/bench/memory.py for why).
+summary gives their median growth per wave (see cosyapp/soak/memory.py for why).
 
-    python -m cosyapp.bench.soak --seconds 600 --clients 16 --out soak.json
+    python -m cosyapp.soak --seconds 600 --clients 16 --out soak.json
 """
 
 import argparse
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from cosyapp.bench.memory import footprint, steady_growth
+from cosyapp.soak.memory import footprint, steady_growth
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_HOP = 480  # audio always comes in whole halves of a 25 Hz token
@@ -289,9 +289,7 @@ def run_soak(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cosyapp.bench.soak", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m cosyapp.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--seconds", type=float, default=300.0, help="how long the clients run (default: 300)"
     )
@@ -312,7 +310,3 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"written to {args.out}")
     return 1 if summary["wrong"] else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
