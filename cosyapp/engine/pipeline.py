@@ -27,7 +27,7 @@ from cosyapp.engine.admission import BusyError as BusyError  # callers take it w
 from cosyapp.engine.admission import FairAdmission
 from cosyapp.engine.lm.base import LMRequest, SpeechTokenLM
 from cosyapp.engine.metrics import Metrics, RequestRecord
-from cosyapp.engine.request import MAX_SEED, SynthesisRequest, check_options
+from cosyapp.engine.request import MAX_SEED, SynthesisRequest
 from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for callers of the Pipeline
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.text_workers import TextWorkers
@@ -165,11 +165,11 @@ class Pipeline:
     async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Audio of ``request`` as it is produced (one chunk per sentence when not streaming).
 
-        Raises ``TextError`` / ``ValueError`` for unusable input before any work, and ``BusyError``
-        when the admission limits are reached.
+        Raises a ``UserError`` for unusable input before any work (``SynthesisRequest.validate``,
+        then the text frontend), and ``BusyError`` when the admission limits are reached.
         """
+        request.validate(self.text.max_chars)  # cheap rules first, before the text is prepared
         sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
-        check_options(request.speed, request.seed)
         seed = secrets.randbits(63) if request.seed is None else request.seed
         await self.start()
         async with self.admission.slot(request.client):
