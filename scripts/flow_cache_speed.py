@@ -20,6 +20,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import (
     FlowCache,
     FlowItem,
@@ -46,17 +47,13 @@ def sync():
         torch.cuda.synchronize()
 
 
-def schedule(prompt_len: int, total: int, first_hop: int = 25) -> list[tuple[int, bool]]:
-    calls, offset, hop = [], 0, first_hop
-    while True:
-        size = hop + (-(prompt_len + offset + hop) % 25)
-        if offset + size + LOOKAHEAD > total:
-            break
-        calls.append((offset + size + LOOKAHEAD, False))
-        offset += size
-        hop = min(100, 2 * hop)
-    calls.append((total, True))
-    return calls
+def schedule(prompt_len: int, total: int) -> list[tuple[int, bool]]:
+    """(tokens handed over, final) per call of one stream, as the worker makes them."""
+    chunks = ChunkSchedule(prompt_len)
+    calls = []
+    while chunks.ready(total):
+        calls.append((chunks.advance()[1] + LOOKAHEAD, False))
+    return [*calls, (total, True)]
 
 
 def voice(seed: int = 0):

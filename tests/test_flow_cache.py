@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import (
     FlowCache,
     FlowItem,
@@ -44,17 +45,12 @@ def recompute(flow, p, tokens: torch.Tensor, final: bool) -> torch.Tensor:
 
 
 def schedule(prompt_len: int, total: int, first_hop: int) -> list[tuple[int, bool]]:
-    """(tokens handed over, final) per call: chunk calls end on 25-token boundaries, as ChunkSchedule."""
-    calls, offset, hop = [], 0, first_hop
-    while True:
-        size = hop + (-(prompt_len + offset + hop) % 25)
-        if offset + size + LOOKAHEAD > total:
-            break
-        calls.append((offset + size + LOOKAHEAD, False))
-        offset += size
-        hop = min(100, 2 * hop)
-    calls.append((total, True))
-    return calls
+    """(tokens handed over, final) per call of a stream of `total` tokens, as the worker makes them."""
+    chunks = ChunkSchedule(prompt_len, first_hop)
+    calls = []
+    while chunks.ready(total):
+        calls.append((chunks.advance()[1] + LOOKAHEAD, False))
+    return [*calls, (total, True)]
 
 
 @pytest.fixture(scope="module")

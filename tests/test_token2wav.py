@@ -42,11 +42,11 @@ async def _collect(engine: Token2Wav, prompt_len: int, count: int, seed: int, **
     return [chunk async for chunk in stream.run(_as_lm(_tokens(count, seed)))]
 
 
-def _run(model, main) -> object:
-    """Run `main(engine)` on a started engine and stop it afterwards."""
+def _run(model, main, **options) -> object:
+    """Run `main(engine)` on a started engine (Token2Wav ``options``) and stop it afterwards."""
 
     async def runner():
-        engine = Token2Wav(model)
+        engine = Token2Wav(model, **options)
         engine.start()
         try:
             return await main(engine)

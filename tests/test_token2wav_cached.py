@@ -5,7 +5,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_token2wav import _as_lm, _prompt, _tokens
+from test_token2wav import _as_lm, _prompt, _run, _tokens
 
 from cosyapp.engine.token2wav.flow_cache import KVPool, raw_estimator
 from cosyapp.engine.token2wav.worker import Token2Wav
@@ -17,18 +17,6 @@ def page_bytes(model) -> int:
     return KVPool.page_bytes(
         raw_estimator(model.flow), model.flow.decoder.n_timesteps, model.flow.input_embedding.weight.dtype
     )
-
-
-def run(model, main, **options):
-    async def runner():
-        engine = Token2Wav(model, **options)
-        engine.start()
-        try:
-            return await main(engine)
-        finally:
-            engine.stop()
-
-    return asyncio.run(runner())
 
 
 async def streams(engine: Token2Wav, specs: list[tuple[int, int, int, float]]) -> list[list[np.ndarray]]:
@@ -51,13 +39,13 @@ def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]):
 
 
 def test_cached_streams_give_the_recompute_audio(tiny_model):
-    want = run(tiny_model, lambda e: streams(e, SPECS))
+    want = _run(tiny_model, lambda e: streams(e, SPECS))
 
     async def main(engine):
         got = await streams(engine, SPECS)
         return got, engine.cached
 
-    got, cached = run(tiny_model, main, flow_cache_bytes=POOL)
+    got, cached = _run(tiny_model, main, flow_cache_bytes=POOL)
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
     assert not cached.holders and cached.fallbacks == 0
@@ -66,13 +54,13 @@ def test_cached_streams_give_the_recompute_audio(tiny_model):
 
 
 def test_a_full_pool_falls_back_to_recomputing_with_the_same_audio(tiny_model):
-    want = run(tiny_model, lambda e: streams(e, SPECS))
+    want = _run(tiny_model, lambda e: streams(e, SPECS))
 
     async def main(engine):
         return await streams(engine, SPECS), engine.cached
 
     # 3 pages: no stream of 90 tokens or more fits, whatever the timing, so every one falls back.
-    got, cached = run(tiny_model, main, flow_cache_bytes=3 * page_bytes(tiny_model))
+    got, cached = _run(tiny_model, main, flow_cache_bytes=3 * page_bytes(tiny_model))
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
     assert cached.fallbacks > 0 and not cached.holders
@@ -95,7 +83,7 @@ def test_a_cancelled_stream_gives_its_pages_back(tiny_model):
         voices = sum(len(e.pages) for e in engine.cached.voices._entries.values())
         return free, engine.cached, voices
 
-    free, cached, voices = run(tiny_model, main, flow_cache_bytes=POOL)
+    free, cached, voices = _run(tiny_model, main, flow_cache_bytes=POOL)
     assert not cached.holders
     assert cached.pool.free_pages == free - voices
 
@@ -103,8 +91,8 @@ def test_a_cancelled_stream_gives_its_pages_back(tiny_model):
 @pytest.mark.parametrize("speed", [1.0, 1.3])
 def test_a_chunked_final_changes_only_the_last_chunk(tiny_model, speed):
     spec = [(75, 160, 6, speed)]
-    [want] = run(tiny_model, lambda e: streams(e, spec))
-    [got] = run(tiny_model, lambda e: streams(e, spec), flow_cache_bytes=POOL, chunked_final=True)
+    [want] = _run(tiny_model, lambda e: streams(e, spec))
+    [got] = _run(tiny_model, lambda e: streams(e, spec), flow_cache_bytes=POOL, chunked_final=True)
     assert [len(c) for c in got] == [len(c) for c in want]
     assert_same_chunks(got[:-1], want[:-1])
     assert not np.allclose(got[-1], want[-1], atol=1e-4)
