@@ -49,8 +49,8 @@ def test_cached_streams_give_the_recompute_audio(tiny_model):
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
     assert not cached.holders and cached.fallbacks == 0
-    held = sum(len(e.pages) for e in cached.voices._entries.values())
-    assert held > 0 and cached.pool.free_pages == len(cached.pool._refs) - 1 - held
+    held = cached.voices.held_pages
+    assert held > 0 and cached.pool.free_pages == cached.pool.pages - held
 
 
 def test_a_full_pool_falls_back_to_recomputing_with_the_same_audio(tiny_model):
@@ -80,7 +80,7 @@ def test_a_cancelled_stream_gives_its_pages_back(tiny_model):
         assert engine.cached.holders
         await chunks.aclose()
         await streams(engine, [(37, 60, 5, 1.0)])  # the worker's next step sweeps
-        voices = sum(len(e.pages) for e in engine.cached.voices._entries.values())
+        voices = engine.cached.voices.held_pages
         return free, engine.cached, voices
 
     free, cached, voices = _run(tiny_model, main, flow_cache_bytes=POOL)

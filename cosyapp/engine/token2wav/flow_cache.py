@@ -90,6 +90,7 @@ class KVPool:
         shape = (self.blocks, pages + 1, steps, ROWS, attn.heads, self.page, attn.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pages = pages  # besides the trash page
         self._refs = [0] * (pages + 1)
         self._free = list(range(pages, TRASH, -1))
         self._lock = threading.Lock()  # pages are released from the event loop's side too
@@ -173,11 +174,10 @@ class VoicePages:
         self._entries[key] = entry
         self._held += len(entry.pages)
 
-    def clear(self) -> None:
-        while self._entries:
-            _, old = self._entries.popitem(last=False)
-            self.pool.release(old.pages)
-        self._held = 0
+    @property
+    def held_pages(self) -> int:
+        """Pages the cache holds for voices (shared with the streams that started from them)."""
+        return self._held
 
 
 def voice_key(speech_tokens: Tensor, speech_feat: Tensor, embedding: Tensor) -> str:

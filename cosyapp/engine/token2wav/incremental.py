@@ -192,17 +192,14 @@ class IncrementalGraphs:
     """``run_cfm`` replayed from one CUDA graph per (rows, new frames, past pages) bucket.
 
     Eager, a call is launch-bound at every batch size (docs/benchmarks/README.md); replayed, the
-    kernels run back to back. Buckets are captured at start-up (``capture_all``) or on first use.
+    kernels run back to back. A bucket is captured on its first call; the Pipeline's warm-up makes the
+    common ones (Pipeline.warm_up_token2wav).
     """
 
     def __init__(self, estimator: CausalConditionalDecoder, k: Tensor, v: Tensor, cfg_rate: float):
         self.estimator, self.k, self.v, self.cfg_rate = estimator, k, v, cfg_rate
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
-
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
         if not inputs.x.is_cuda:
