@@ -115,6 +115,22 @@ def test_non_streaming_output_equals_the_batch_1_reference_path(tiny_model):
     assert np.array_equal(audio, reference[0].numpy())
 
 
+def test_calls_awaited_together_reach_a_running_worker_as_one_batch(tiny_model):
+    prompt = _prompt(37, seed=5)
+
+    async def main(engine):
+        sizes = []
+        for count in (3, 2, 4):
+            await engine.together(
+                [engine.whole_clip(prompt, _tokens(60 + 10 * i, seed=i), seed=i) for i in range(count)], count
+            )
+            sizes.append(engine.stats().last_flow_batch)
+        return sizes
+
+    # Four calls on a worker of max_batch 3: three at once, then the one left over.
+    assert _run(tiny_model, main, max_batch=3) == [3, 2, 1]
+
+
 def test_concurrent_streams_are_batched_and_each_sounds_as_when_run_alone(tiny_model):
     # (prompt_len, tokens, options): two same-length prompts give equal HiFT lengths, so HiFT batches too.
     specs = [(37, 140, {}), (37, 90, {}), (50, 200, {"speed": 0.5}), (63, 90, {"streaming": False})]

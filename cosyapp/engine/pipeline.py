@@ -136,8 +136,11 @@ class Pipeline:
 
         batch = 1
         while batch <= self.token2wav.max_batch:
-            await asyncio.gather(*(streamed() for _ in range(batch)))
-            await asyncio.gather(*(self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)))
+            # Each group's first jobs reach the worker together, so every batch size is really run.
+            await self.token2wav.together([streamed() for _ in range(batch)], batch)
+            await self.token2wav.together(
+                [self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)], batch
+            )
             batch *= 2
 
     async def shutdown(self) -> None:

@@ -8,13 +8,15 @@ Each stream's state lives in its Stream (stream.py), so its audio depends only o
 tokens and seed, never on which streams share its batches (docs/model.md §8.6, §10).
 """
 
+import asyncio
+import contextlib
 import functools
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -83,6 +85,9 @@ class Token2Wav:
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._submitted = 0  # jobs ever submitted (written on the loop only)
+        self._open = threading.Event()  # cleared while together() gathers a group of jobs
+        self._open.set()
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._stats = Token2WavStats()
@@ -131,6 +136,7 @@ class Token2Wav:
         """Stop and join the worker; queued jobs fail with RuntimeError. Idempotent."""
         if self._thread is not None:
             self._stopped = True
+            self._open.set()
             self._queue.put(None)
             self._thread.join()
             self._thread = None
@@ -173,7 +179,23 @@ class Token2Wav:
         """Queue a job for the worker. Raises RuntimeError after stop()."""
         if self._stopped:
             raise RuntimeError("the token2wav worker is stopped")
+        self._submitted += 1
         self._queue.put(job)
+
+    async def together(self, calls: list[Awaitable], jobs: int, wait_s: float = 10.0) -> list:
+        """Await `calls` (whole_clip or stream coroutines) so that their first `jobs` jobs reach the
+        worker as one batch: the worker holds its next step until they are all queued (or a call
+        ends early, or `wait_s` passes), so the batch does not depend on thread timing."""
+        target = self._submitted + min(jobs, self.max_batch)
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        self._open.clear()
+        try:
+            deadline = time.monotonic() + wait_s
+            while self._submitted < target and not any(t.done() for t in tasks) and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+        finally:
+            self._open.set()
+        return await asyncio.gather(*tasks)
 
     def _work(self) -> None:
         dtype = self.model.flow.input_embedding.weight.dtype
@@ -194,6 +216,7 @@ class Token2Wav:
         first = self._queue.get()
         if first is None:
             return None
+        self._open.wait()
         jobs = [first]
         while len(jobs) < self.max_batch:
             try:
