@@ -65,7 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import uvicorn
 
-    uvicorn.run(build_app(service), host=settings.host, port=settings.port, log_config=None)
+    # On SIGTERM uvicorn stops accepting, lets running requests finish for up to the timeout, cancels
+    # the rest, stops the engines, then raises the signal again: with this handler it returns, exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: log.info("stopped by SIGTERM"))
+    uvicorn.run(
+        build_app(service),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
     return 0
 
 

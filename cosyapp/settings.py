@@ -33,6 +33,8 @@ class Settings:
     max_upload_mb: int = 20
     auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets stay out of logs
     api_key: str | None = field(default=None, repr=False)
+    cors_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 10.0
     cache_dir: Path = DEFAULTS.cache_dir
     data_dir: Path = DEFAULT_HOME / "data"
 
@@ -168,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "which other users of the machine cannot read from the process list)",
     )
     add(
+        "--cors-origins",
+        default=_env("CORS_ORIGINS", ""),
+        metavar="ORIGIN,...",
+        help="browser origins allowed to call the API, comma-separated, e.g. https://app.example.com, or * "
+        "for any (default: none, CORS off; env COSYAPP_CORS_ORIGINS)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=float(_env("SHUTDOWN_TIMEOUT", defaults.shutdown_timeout)),
+        help="on SIGTERM, seconds running requests may take to finish before they are cancelled "
+        "(default: %(default)s; env COSYAPP_SHUTDOWN_TIMEOUT)",
+    )
+    add(
         "--cache-dir",
         type=Path,
         default=Path(_env("CACHE_DIR", defaults.cache_dir)),
@@ -197,6 +213,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         args.auth = (user, password)
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key must not be empty")
+    args.cors_origins = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip())
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be 0 or more")
     settings = Settings(**vars(args))
     try:
         settings.serve_options()

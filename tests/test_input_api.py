@@ -102,10 +102,10 @@ def test_control_characters_and_a_lone_surrogate_are_removed_and_the_rest_is_spo
         ({"stream": "yes"}, 422, "stream", "stream: Input should be a valid boolean"),
         ({"temperature": 0.5}, 422, "temperature", "temperature: Extra inputs are not permitted"),
         (
-            {"response_format": "mp3"},
+            {"response_format": "ogg"},
             400,
             "response_format",
-            "Unsupported response_format 'mp3'; use one of: wav, pcm.",
+            "Unsupported response_format 'ogg'; use one of: mp3, opus, aac, flac, wav, pcm.",
         ),
         ({"voice": "nobody"}, 404, "voice", "Voice 'nobody' not found; pick one of the listed voices."),
     ],

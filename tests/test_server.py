@@ -143,7 +143,7 @@ def test_streamed_pcm_is_headerless_and_as_long_as_the_whole_clip(client, clip):
         ({"input": ""}, 400, "input", "empty"),
         ({"voice": "nobody"}, 404, "voice", "not found"),
         ({"speed": 3.0}, 400, "speed", "between 0.5 and 2.0"),
-        ({"response_format": "mp3"}, 400, "response_format", "wav, pcm"),
+        ({"response_format": "ogg"}, 400, "response_format", "mp3, opus, aac, flac, wav, pcm"),
         ({"input": 5}, 422, "input", "valid string"),
         ({"speed": "fast"}, 422, "speed", "valid number"),
         ({"stream": "yes"}, 422, "stream", "valid boolean"),

@@ -67,7 +67,8 @@ class ApiRoute(APIRoute):
             except (RequestValidationError, HTTPException):
                 raise
             except Exception:
-                log.exception("%s %s failed", request.method, request.url.path)
+                request_id = request.scope.get("state", {}).get("request_id")
+                log.exception("request %s: %s %s failed", request_id, request.method, request.url.path)
                 return error_response(500, INTERNAL_ERROR, "server_error")
 
         return answer

@@ -2,13 +2,15 @@
 
     GET  /health            engine state (200 serving, 503 starting / failed / stopped)
     GET  /metrics           Prometheus text from the Pipeline's metrics
-    POST /v1/audio/speech   OpenAI-compatible speech: a whole WAV / raw PCM clip, or streamed as produced
+    POST /v1/audio/speech   OpenAI-compatible speech in every OpenAI format, whole or streamed (speech.py)
     GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
     DELETE /v1/audio/voices/{id}   delete a shared saved voice (built-in and model voices stay)
 
-``/v1/*`` sits behind ApiGuard (the API key when one is set, a body size cap); /health and /metrics
-are open. Errors are answered as OpenAI's error JSON (``api_errors``). The engines start on the
-server's own event loop (the vLLM engine stays bound to it), in the lifespan.
+In front of the routes, outermost first: ``RequestIds`` (X-Request-Id, one log line per request),
+``ApiCors`` (with ``--cors-origins``), ``ApiGuard`` (on /v1/*: the API key when one is set, a body
+size cap), ``RouteGuard`` (405 with Allow, 404 for unknown /v1 paths). Errors are answered as
+OpenAI's error JSON (``api_errors``). The engines start on the server's own event loop (the vLLM
+engine stays bound to it), in the lifespan.
 """
 
 import asyncio
@@ -16,47 +18,30 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import gradio as gr
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.middleware import Middleware
 
-from cosyapp.codec import pcm16, wav_header
 from cosyapp.engine.build import choose_engine
-from cosyapp.engine.pipeline import AudioChunk
-from cosyapp.engine.request import SynthesisRequest, check_request
-from cosyapp.errors import ParamError, VoiceError
+from cosyapp.errors import VoiceError
 from cosyapp.service import Service
 from cosyapp.web.api_errors import HANDLERS, ApiRoute
 from cosyapp.web.api_guard import ApiGuard, max_body_bytes
-from cosyapp.web.clients import client_key
+from cosyapp.web.cors import ApiCors
+from cosyapp.web.request_ids import RequestIds
+from cosyapp.web.route_guard import RouteGuard
+from cosyapp.web.speech import speech_route
 from cosyapp.web.ui import build_demo, launch_options, mount_options
 
 log = logging.getLogger(__name__)
 
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"
-
-
-class SpeechRequest(BaseModel):
-    """Body of POST /v1/audio/speech: OpenAI's fields plus ``seed``. Strict types, no unknown fields."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = "cosyvoice2"  # accepted for OpenAI clients; the one loaded model serves every request
-    input: str
-    voice: str
-    speed: float = 1.0
-    response_format: str = "wav"
-    stream: bool = False
-    seed: int | None = None
 
 
 @dataclass
@@ -79,75 +64,6 @@ class EngineStart:
             return None
         error = self.task.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
-
-
-class AudioStream(StreamingResponse):
-    """Audio chunks sent as the pipeline produces them (a WAV header of unknown length first, for wav).
-
-    The pipeline stream is closed after the response however it ended, so a client that goes away
-    aborts its engine work and frees its stream slot at once.
-    """
-
-    def __init__(
-        self,
-        chunks: AsyncGenerator[AudioChunk, None],
-        first: AudioChunk | None,
-        response_format: str,
-        sample_rate: int,
-    ):
-        self.chunks = chunks
-        # Proxies (e.g. the one in front of a Space) must pass chunks on, not buffer the response.
-        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        body = self._body(first, response_format, sample_rate)
-        super().__init__(body, media_type=MEDIA_TYPES[response_format], headers=headers)
-
-    async def _body(
-        self, first: AudioChunk | None, response_format: str, sample_rate: int
-    ) -> AsyncIterator[bytes]:
-        if response_format == "wav":
-            yield wav_header(sample_rate, None)
-        if first is not None:
-            yield pcm16(first.samples)
-        async for chunk in self.chunks:
-            yield pcm16(chunk.samples)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):  # the request's scope is cancelled on a disconnect
-                await self.chunks.aclose()
-
-
-def speech_route(service: Service):
-    pipeline = service.pipeline
-
-    async def speech(body: SpeechRequest, http: Request) -> Response:
-        """Speak ``input`` in ``voice``: 24 kHz mono 16-bit WAV or raw PCM, whole or streamed."""
-        if body.response_format not in MEDIA_TYPES:
-            supported = ", ".join(MEDIA_TYPES)
-            message = f"Unsupported response_format {body.response_format!r}; use one of: {supported}."
-            raise ParamError(message, "response_format")
-        check_request(body.input, body.speed, body.seed, service.settings.max_text_chars)
-        voice = await asyncio.to_thread(service.voices.get, body.voice)
-        client = client_key(None, http.client.host if http.client else None)
-        request = SynthesisRequest(body.input, voice, body.speed, body.seed, body.stream, client)
-        chunks = pipeline.stream(request)
-        # A full server raises before the first chunk, while a status can still be sent.
-        first = await anext(chunks, None)
-        if body.stream:
-            return AudioStream(chunks, first, body.response_format, pipeline.sample_rate)
-        try:
-            pieces = [] if first is None else [pcm16(first.samples)]
-            pieces += [pcm16(chunk.samples) async for chunk in chunks]
-        finally:
-            await chunks.aclose()
-        data = b"".join(pieces)
-        if body.response_format == "wav":
-            data = wav_header(pipeline.sample_rate, len(data)) + data
-        return Response(data, media_type=MEDIA_TYPES[body.response_format])
-
-    return speech
 
 
 def health_route(service: Service, start: EngineStart):
@@ -251,8 +167,13 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
     ]
     settings = service.settings
-    guard = Middleware(ApiGuard, api_key=settings.api_key, max_body=max_body_bytes(settings.max_text_chars))
-    return {"lifespan": lifespan, "routes": routes, "exception_handlers": HANDLERS, "middleware": [guard]}
+    middleware = [
+        Middleware(RequestIds),
+        *([Middleware(ApiCors, origins=settings.cors_origins)] if settings.cors_origins else []),
+        Middleware(ApiGuard, api_key=settings.api_key, max_body=max_body_bytes(settings.max_text_chars)),
+        Middleware(RouteGuard, routes=routes),
+    ]
+    return {"lifespan": lifespan, "routes": routes, "exception_handlers": HANDLERS, "middleware": middleware}
 
 
 def _log_start_failure(task: asyncio.Task) -> None:
