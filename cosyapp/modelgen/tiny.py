@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import Qwen2Config
 
+from cosyapp.modelgen.pace import shape_pace
 from cosyapp.modelgen.yaml_template import OFFICIAL, TINY, NetworkSizes, render_yaml
 from cosyapp.models.checkpoint import BACKBONE_DIR, YAML_NAME, build_flow, build_hift, build_lm, read_hparams
 from cosyapp.models.sampling import STOP_TOKENS
@@ -160,7 +161,8 @@ def write_random_model(
 ) -> Path:
     """Write a complete model folder (official layout) with random weights from ``seed``; returns it.
 
-    ``endless`` makes the LM's stop tokens unreachable (their head bias at -1e4), so every sentence
+    The LM stops at about 3 speech tokens per text token, with variation (``pace.shape_pace``);
+    ``endless`` instead makes its stop tokens unreachable (their head bias at -1e4), so every sentence
     decodes exactly its maximum of 20 tokens per text token: reproducible load for benchmarks.
     ``device`` is where the networks are initialised (a GPU makes full-size weights quick).
     """
@@ -179,6 +181,8 @@ def write_random_model(
     if endless:
         with torch.no_grad():
             lm.llm_decoder.bias[list(STOP_TOKENS)] = -1e4
+    else:
+        shape_pace(lm)
     for module, name in [(lm, "llm.pt"), (flow, "flow.pt"), (hift, "hift.pt")]:
         torch.save({k: v.cpu() for k, v in module.state_dict().items()}, out_dir / name)
     backbone = {
