@@ -3,14 +3,20 @@
 Hosts that say where to listen through the environment are honoured: GRADIO_SERVER_NAME /
 GRADIO_SERVER_PORT (Gradio's own variables), PORT, and SPACE_ID (on a Hugging Face Space the app must
 listen on every interface). They only change the defaults; COSYAPP_HOST / COSYAPP_PORT and the flags win.
+
+On a GPU the stream limit and vLLM's share are sized to the card's memory unless given
+(cosyapp/deploy/sizing.py). A ZeroGPU Space gets an explanation and exit status 1; a Space without a
+GPU serves the demo model.
 """
 
 import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 
-from cosyapp.settings import Settings, parse_settings
+from cosyapp.deploy.space import CPU_SPACE_REASON, ZERO_GPU_MESSAGE, on_space, on_zero_gpu
+from cosyapp.settings import CARD_SIZED, Settings, parse_settings
 
 log = logging.getLogger("cosyapp")
 
@@ -44,16 +50,44 @@ def security_warnings(settings: Settings) -> list[str]:
     return warnings
 
 
+def fit_to_host(settings: Settings) -> tuple[Settings, str | None]:
+    """``settings`` with the options left unset sized to the GPU (logged), and the demo reason of a
+    Space without a GPU (None elsewhere). On a GPU, vLLM's plugin is made visible first when cosyapp
+    runs from an uninstalled source tree (a Space). Raises CardTooSmall."""
+    from cosyapp.deploy.plugin import provide_vllm_plugin
+    from cosyapp.deploy.sizing import read_card, size_for_card
+
+    card = read_card(settings.device)
+    if card is None:
+        return settings, CPU_SPACE_REASON if on_space(os.environ) and not settings.demo else None
+    if provide_vllm_plugin(settings.cache_dir / "vllm-plugin"):
+        log.info("cosyapp is not installed: vLLM finds its plugin in %s", settings.cache_dir / "vllm-plugin")
+    given = {name: None if name in settings.card_sized else getattr(settings, name) for name in CARD_SIZED}
+    sizing = size_for_card(*card, flow_cache_gb=settings.flow_cache_gb, **given)
+    log.info("%s", sizing.describe())
+    sized = {name: getattr(sizing, name) for name in CARD_SIZED}
+    return replace(settings, **sized, card=sizing), None
+
+
 def main(argv: list[str] | None = None) -> int:
     apply_host_conventions(os.environ)
     settings = parse_settings(argv)  # before any heavy import, so --help and flag errors are instant
+    if on_zero_gpu(os.environ):
+        print(ZERO_GPU_MESSAGE, file=sys.stderr)
+        return 1
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # read when gradio is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from cosyapp.deploy.sizing import CardTooSmall
     from cosyapp.service import build_service
     from cosyapp.web.server import build_app, launch_shared
 
-    service = build_service(settings)
+    try:
+        settings, demo_reason = fit_to_host(settings)
+    except CardTooSmall as e:
+        log.error("%s", e)
+        return 1
+    service = build_service(settings, demo_reason)
     if service.demo_reason:
         log.warning("DEMO MODE (%s): a tiny random-weight model, it speaks noise", service.demo_reason)
     log.info("model %s; serving on http://%s:%d", service.model_dir, settings.host, settings.port)

@@ -52,11 +52,13 @@ def choose_model(settings: Settings) -> tuple[Path, str | None]:
         return demo_model(settings), f"{DEFAULT_REPO} could not be downloaded ({type(e).__name__})"
 
 
-def build_service(settings: Settings) -> Service:
-    """Load the model, build the Pipeline and the voice library (engines are started by the caller)."""
+def build_service(settings: Settings, demo_reason: str | None = None) -> Service:
+    """Load the model, build the Pipeline and the voice library (engines are started by the caller).
+
+    ``demo_reason`` given: serve the demo model, saying why (e.g. a Space without a GPU)."""
     from cosyapp.frontend.voice import VoiceFrontend
 
-    folder, demo_reason = choose_model(settings)
+    folder, demo_reason = (demo_model(settings), demo_reason) if demo_reason else choose_model(settings)
     model = load_model(folder, device=settings.device)
     pipeline = build_pipeline(model, settings.serve_options())
     voices = VoiceLibrary(

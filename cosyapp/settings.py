@@ -7,10 +7,17 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cosyapp.options import DEFAULT_HOME, DEFAULTS, ENGINES, OptionError, ServeOptions
 
+if TYPE_CHECKING:
+    from cosyapp.deploy.sizing import CardSizing
+
 DEFAULT_REPO = "FunAudioLLM/CosyVoice2-0.5B"
+# Left unset (no flag, no COSYAPP_* variable), these are sized to the GPU's memory at start
+# (cosyapp/deploy/sizing.py); until then they hold the defaults of ServeOptions.
+CARD_SIZED = ("gpu_memory_utilization", "max_streams")
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class Settings:
     shutdown_timeout: float = 10.0
     cache_dir: Path = DEFAULTS.cache_dir
     data_dir: Path = DEFAULT_HOME / "data"
+    card_sized: tuple[str, ...] = ()  # the CARD_SIZED options the user left unset
+    card: "CardSizing | None" = None  # what the GPU sizing chose (app.py sets it at start)
 
     def serve_options(self) -> ServeOptions:
         """The engine's options: those these settings choose, every other at its default.
@@ -44,7 +53,11 @@ class Settings:
         Raises OptionError for a chosen value outside its range.
         """
         chosen = {f.name for f in fields(self)} & {f.name for f in fields(ServeOptions)}
-        return ServeOptions(**{name: getattr(self, name) for name in chosen})
+        values = {name: getattr(self, name) for name in chosen}
+        # A batch never holds more than the admitted streams; the cap also keeps the start-up warm-up
+        # (every batch size up to max_batch) within the memory a small card was sized for.
+        values["max_batch"] = min(DEFAULTS.max_batch, self.max_streams)
+        return ServeOptions(**values)
 
 
 def _env(name: str, default: object) -> str | None:
@@ -109,16 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--gpu-memory-utilization",
         type=float,
-        default=float(_env("GPU_MEMORY_UTILIZATION", defaults.gpu_memory_utilization)),
-        help="fraction of the GPU's memory vLLM may take for the LM (default: %(default)s; "
-        "env COSYAPP_GPU_MEMORY_UTILIZATION)",
+        default=_env("GPU_MEMORY_UTILIZATION", None),
+        help="fraction of the GPU's memory vLLM may take for the LM (default: sized to the card, "
+        f"{defaults.gpu_memory_utilization} from 20 GiB up; env COSYAPP_GPU_MEMORY_UTILIZATION)",
     )
     add(
         "--max-streams",
         type=int,
-        default=int(_env("MAX_STREAMS", defaults.max_streams)),
-        help="requests synthesised at once; more wait in a queue "
-        "(default: %(default)s; env COSYAPP_MAX_STREAMS)",
+        default=_env("MAX_STREAMS", None),
+        help="requests synthesised at once; more wait in a queue (default: sized to the GPU's memory, "
+        f"see the README; {defaults.max_streams} on a CPU; env COSYAPP_MAX_STREAMS)",
     )
     add(
         "--first-hop",
@@ -216,6 +229,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     args.cors_origins = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip())
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be 0 or more")
+    args.card_sized = tuple(name for name in CARD_SIZED if getattr(args, name) is None)
+    for name in args.card_sized:
+        setattr(args, name, getattr(DEFAULTS, name))
     settings = Settings(**vars(args))
     try:
         settings.serve_options()

@@ -90,6 +90,7 @@ def health_route(service: Service, start: EngineStart):
             "lm_restarts": engine["lm_restarts"],
             "last_fault": engine["last_fault"],
             "max_streams": service.pipeline.max_streams,
+            "sizing": service.settings.card.report() if service.settings.card else None,
         }
         return JSONResponse(body, status_code=200 if state == "serving" else 503)
 
