@@ -223,7 +223,8 @@ def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
     model, text, _ = parts
 
     async def body():
-        token2wav = Token2Wav(model, max_batch=4)
+        # Steps big enough for four of the warm-up's whole clips (prompt 75 + 260 tokens = 670 frames).
+        token2wav = Token2Wav(model, max_batch=4, step_frames=4 * 670)
         pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), token2wav)
         await pipeline.start(warm_up=True)
         try:

@@ -53,14 +53,21 @@ class CachedFlow:
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
         logger.info("incremental streaming flow: %d pages of %d frames", pages, self.pool.page)
 
-    def takes(self, job: Job) -> bool:
-        """Whether ``job`` goes the incremental way (the stream's cache is made at its first chunk)."""
+    def serves(self, job: Job) -> bool:
+        """Whether ``job`` would go the incremental way, as far as is known before ``takes``."""
         stream = job.stream
-        if not stream.streaming:
+        if not stream.streaming or stream.flow_cache_refused:
             return False
         if job.finalize and not self.chunked_final:
             return False  # upstream's full-attention last chunk: a recompute (the worker releases)
-        if job.offset == 0 and stream.flow_cache is None and not stream.flow_cache_refused:
+        return stream.flow_cache is not None or job.offset == 0
+
+    def takes(self, job: Job) -> bool:
+        """Whether ``job`` goes the incremental way (the stream's cache is made at its first chunk)."""
+        stream = job.stream
+        if not self.serves(job):
+            return False
+        if stream.flow_cache is None:
             stream.flow_cache = self._start(stream)
             stream.flow_cache_refused = stream.flow_cache is None
         return stream.flow_cache is not None

@@ -17,6 +17,7 @@ drops the stream's queued jobs); the worker hands every result back with
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class Job:
     finalize: bool  # full sequence, no lookahead; also the stream's last job
     future: asyncio.Future
     mel: Tensor | None = field(default=None, repr=False)  # the flow's new frames (80, n), set by the worker
+    submitted_at: float = field(default_factory=time.monotonic)  # for the worker's deadlines (scheduler.py)
 
     @property
     def streaming(self) -> bool:
@@ -78,6 +80,8 @@ class Stream:
     failed: bool = False  # a job of this stream failed: its later jobs are skipped
     flow_cache: "FlowCache | None" = None  # its incremental flow state (cached.py); None: recompute
     flow_cache_refused: bool = False  # the pool could not serve it: recompute from then on
+    first_audio_at: float | None = None  # monotonic time its first audio was handed over
+    audio_seconds: float = 0.0  # audio handed over so far
 
     def __post_init__(self) -> None:
         self.schedule = ChunkSchedule(len(self.prompt.speech_tokens), self.first_hop)
@@ -181,6 +185,12 @@ class Stream:
         elif self.speed != 1.0:
             mel = F.interpolate(mel[None], size=int(mel.shape[1] / self.speed), mode="linear")[0]
         return self.overlap.mel_input(mel)
+
+    def delivered(self, seconds: float) -> None:
+        """Count audio handed to the consumer, for the deadline of its next job (scheduler.py)."""
+        if self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
+        self.audio_seconds += seconds
 
 
 def _resolve(future: asyncio.Future, audio: np.ndarray | None, error: BaseException | None) -> None:

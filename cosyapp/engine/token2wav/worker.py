@@ -1,6 +1,7 @@
 """Token-to-wave service shared by every stream: one worker thread batches flow and HiFT work.
 
-    Stream.run(tokens) --chunk schedule--> Job --queue--> worker: take all pending jobs (<= max_batch)
+    Stream.run(tokens) --chunk schedule--> Job --queue--> worker: take the most urgent pending jobs
+        (<= max_batch, their padded size bounded: scheduler.py)
         -> flow: one padded call per (streaming, finalize) mode -> per stream, in order: speed change,
         HiFT caches, HiFT batched by equal mel length, cross-fade -> future -> Stream.run yields audio
 
@@ -9,11 +10,9 @@ tokens and seed, never on which streams share its batches (docs/model.md §8.6, 
 """
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -27,6 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
+from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
@@ -64,7 +64,9 @@ class Token2Wav:
     flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
     every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
     on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
-    chunked_final: see CachedFlow. Jobs submitted before start() wait for it.
+    chunked_final: see CachedFlow. step_frames: the padded rows x frames one step's flow call may
+    reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). Jobs submitted before start() wait
+    for it.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Token2Wav:
         flow_cache_bytes: int | None = 0,
         flow_cache_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
+        step_frames: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -84,10 +87,9 @@ class Token2Wav:
         self.max_batch = max_batch
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self.step_frames = step_frames or max_batch * STEP_FRAMES_PER_ROW
+        self._queue = JobQueue(max_batch, self.step_frames, self._cost)
         self._submitted = 0  # jobs ever submitted (written on the loop only)
-        self._open = threading.Event()  # cleared while together() gathers a group of jobs
-        self._open.set()
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._stats = Token2WavStats()
@@ -99,6 +101,8 @@ class Token2Wav:
         if self.cached is None:
             self.cached = self._cached_flow(*self._flow_cache)
         if self._thread is None:
+            if self._stopped:  # started again after stop(), which closed the queue
+                self._queue = JobQueue(self.max_batch, self.step_frames, self._cost)
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
@@ -136,18 +140,15 @@ class Token2Wav:
         """Stop and join the worker; queued jobs fail with RuntimeError. Idempotent."""
         if self._thread is not None:
             self._stopped = True
-            self._open.set()
-            self._queue.put(None)
+            left = self._queue.close()
             self._thread.join()
             self._thread = None
-            while not self._queue.empty():
-                job = self._queue.get_nowait()
-                if job is not None:
-                    job.resolve(error=RuntimeError("the token2wav worker was stopped"))
+            for job in left:
+                job.resolve(error=RuntimeError("the token2wav worker was stopped"))
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
-        return replace(self._stats, queue_depth=self._queue.qsize())
+        return replace(self._stats, queue_depth=len(self._queue))
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
@@ -188,19 +189,19 @@ class Token2Wav:
         ends early, or `wait_s` passes), so the batch does not depend on thread timing."""
         target = self._submitted + min(jobs, self.max_batch)
         tasks = [asyncio.ensure_future(call) for call in calls]
-        self._open.clear()
+        self._queue.hold()
         try:
-            deadline = time.monotonic() + wait_s
-            while self._submitted < target and not any(t.done() for t in tasks) and time.monotonic() < deadline:
+            until = time.monotonic() + wait_s
+            while self._submitted < target and not any(t.done() for t in tasks) and time.monotonic() < until:
                 await asyncio.sleep(0.001)
         finally:
-            self._open.set()
+            self._queue.release()
         return await asyncio.gather(*tasks)
 
     def _work(self) -> None:
         dtype = self.model.flow.input_embedding.weight.dtype
         with torch.inference_mode():
-            while (jobs := self._take()) is not None:
+            while (jobs := self._queue.take()) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
                 for job in live:
@@ -211,23 +212,16 @@ class Token2Wav:
                     # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
                     self._vocode([job for job in jobs_round if job.stream.live])
 
-    def _take(self) -> list[Job] | None:
-        """Block for one job, then take every pending job up to max_batch; None once stopped."""
-        first = self._queue.get()
-        if first is None:
-            return None
-        self._open.wait()
-        jobs = [first]
-        while len(jobs) < self.max_batch:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self._queue.put(None)  # finish this step, stop at the next
-                break
-            jobs.append(job)
-        return jobs
+    def _cost(self, job: Job) -> tuple[tuple, int]:
+        """The flow call a job joins and the frames it pads that call to: its new frames in the
+        incremental flow, prompt + every token when recomputed (scheduler.py)."""
+        stream = job.stream
+        incremental = self.cached is not None and self.cached.serves(job)
+        if incremental:
+            return ("incremental", job.finalize), TOKEN_MEL_RATIO * (len(job.tokens) - job.offset)
+        return ("recompute", job.streaming, job.finalize), TOKEN_MEL_RATIO * (
+            len(stream.prompt.speech_tokens) + len(job.tokens)
+        )
 
     def _flow(self, jobs: list[Job]) -> None:
         """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
@@ -352,6 +346,7 @@ class Token2Wav:
             with failing([job], "cross-fade"):
                 audio = job.stream.overlap.finish(mel, speech[i], source[i], final=job.finalize)
                 self._stats.jobs_done += 1
+                job.stream.delivered(len(audio) / self.model.sample_rate)
                 job.resolve(audio=audio.numpy().copy())
 
     def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,115 @@
+"""Which pending jobs the token2wav worker runs next: earliest deadline first, in bounded batches.
+
+A listener hears a gap when the audio delivered to its stream runs out, so a streaming job's deadline
+is the moment its stream runs dry: the wall time of its first audio plus the seconds of audio
+delivered since. A stream's first chunk has no audio yet and its listener is already waiting: its
+deadline is when it was submitted. A whole clip's client waits for all of it, so its deadline is its
+submission plus ``WHOLE_SLACK_S``: streams about to run dry go first, and no whole clip waits for
+ever behind streams, whose deadlines move on as they are served.
+
+A step takes jobs in deadline order while the padded size of the flow call each joins (rows x the
+longest job's frames, per flow group) stays within ``step_frames``. The first job always fits, so a
+huge job runs in a step of its own instead of padding a whole batch of small ones to its length,
+and the next step is never further away than one bounded call (docs/model.md §8.6). A stream's
+jobs stay in order: once one is left for a later step, so are the stream's later jobs.
+
+Every method is thread-safe: the event loop puts jobs, the worker thread takes them.
+"""
+
+import threading
+from collections.abc import Callable, Hashable
+
+from cosyapp.engine.token2wav.stream import Job
+
+# How long a whole-clip job may wait for streams that are about to run dry.
+WHOLE_SLACK_S = 1.0
+# Default padded frames of one step per row of max_batch: the widest incremental chunk (5 s), so a
+# step of max_batch streaming chunks never splits, while sentence-long jobs share steps sparingly.
+STEP_FRAMES_PER_ROW = 250
+
+# A job's flow group (the jobs one padded flow call can hold) and the frames it makes that call pad to.
+Cost = Callable[[Job], tuple[Hashable, int]]
+
+
+class JobQueue:
+    """Pending jobs of every stream; ``take`` hands the worker its next step's batch."""
+
+    def __init__(self, max_batch: int, step_frames: int, cost: Cost):
+        self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
+        self._jobs: list[Job] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        self._held = False
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        with self._changed:
+            self._jobs.append(job)
+            self._changed.notify()
+
+    def hold(self) -> None:
+        """Make ``take`` wait (while a group of jobs meant for one step is put)."""
+        with self._changed:
+            self._held = True
+
+    def release(self) -> None:
+        with self._changed:
+            self._held = False
+            self._changed.notify()
+
+    def close(self) -> list[Job]:
+        """Wake the worker to stop: ``take`` returns None from now on. Returns the jobs left."""
+        with self._changed:
+            self._closed, self._held = True, False
+            left, self._jobs = self._jobs, []
+            self._changed.notify()
+            return left
+
+    def take(self) -> list[Job] | None:
+        """Block until there are jobs (and no hold), then remove and return the next step's batch;
+        None once closed."""
+        with self._changed:
+            while not self._closed and (self._held or not self._jobs):
+                self._changed.wait()
+            if self._closed:
+                return None
+            batch = self._select()
+            taken = set(map(id, batch))
+            self._jobs = [job for job in self._jobs if id(job) not in taken]
+            return batch
+
+    def _select(self) -> list[Job]:
+        order = sorted(range(len(self._jobs)), key=lambda i: (deadline(self._jobs[i]), i))
+        batch: list[Job] = []
+        groups: dict[Hashable, tuple[int, int]] = {}  # group -> (rows, longest frames)
+        left_behind: set[int] = set()  # streams with a job left for a later step
+        for i in order:
+            job = self._jobs[i]
+            if len(batch) == self.max_batch:
+                break
+            if id(job.stream) in left_behind:
+                continue
+            group, frames = self.cost(job)
+            rows, longest = groups.get(group, (0, 0))
+            rows, longest = rows + 1, max(longest, frames)
+            if batch and rows * longest > self.step_frames:
+                left_behind.add(id(job.stream))
+                continue
+            groups[group] = (rows, longest)
+            batch.append(job)
+        # A stream's jobs leave in submission order, whatever their deadlines' rounding.
+        position = {id(job): i for i, job in enumerate(self._jobs)}
+        return sorted(batch, key=lambda job: position[id(job)])
+
+
+def deadline(job: Job) -> float:
+    """When the job's result is needed (monotonic seconds): see the module docstring."""
+    stream = job.stream
+    if not stream.streaming:
+        return job.submitted_at + WHOLE_SLACK_S
+    if stream.first_audio_at is None:
+        return job.submitted_at
+    return stream.first_audio_at + stream.audio_seconds

@@ -1,0 +1,182 @@
+"""The token2wav worker's choice of jobs: earliest deadline first, bounded steps, streams in order."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cosyapp.engine.token2wav.scheduler import WHOLE_SLACK_S, JobQueue
+from cosyapp.engine.token2wav.stream import Job, Stream
+from cosyapp.engine.token2wav.worker import Token2Wav
+from cosyapp.models.cosyvoice2 import PromptInputs
+
+PROMPT_TOKENS = 20
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _stream(streaming: bool = True) -> Stream:
+    prompt = PromptInputs(
+        text_ids=torch.tensor([1]),
+        speech_tokens=torch.zeros(PROMPT_TOKENS, dtype=torch.long),
+        speech_feat=torch.zeros(2 * PROMPT_TOKENS, 80),
+        embedding=torch.zeros(192),
+    )
+    return Stream(prompt, 1.0, streaming, 0, 25, submit=lambda job: None)
+
+
+def _job(loop, stream: Stream, tokens: int, offset: int = 0, finalize: bool = False, at: float | None = None):
+    job = Job(stream, torch.zeros(tokens, dtype=torch.long), offset, finalize, loop.create_future())
+    if at is not None:
+        job.submitted_at = at
+    return job
+
+
+def _recompute_cost(job: Job) -> tuple[tuple, int]:
+    return ("recompute", job.streaming, job.finalize), 2 * (PROMPT_TOKENS + len(job.tokens))
+
+
+def _queue(*jobs: Job, max_batch: int = 8, step_frames: int = 10**6) -> JobQueue:
+    queue = JobQueue(max_batch, step_frames, _recompute_cost)
+    for job in jobs:
+        queue.put(job)
+    return queue
+
+
+def test_a_first_chunk_goes_before_streams_with_audio_to_spare(loop):
+    now = time.monotonic()
+    playing = _stream()
+    playing.first_audio_at, playing.audio_seconds = now - 1.0, 5.0  # runs dry in 4 s
+    later = _job(loop, playing, 128, offset=78, at=now - 0.5)
+    first = _job(loop, _stream(), 28, at=now)
+    queue = _queue(later, first, max_batch=1)
+    assert queue.take() == [first]
+    assert queue.take() == [later]
+
+
+def test_a_stream_about_to_run_dry_goes_before_a_first_chunk(loop):
+    now = time.monotonic()
+    starving = _stream()
+    starving.first_audio_at, starving.audio_seconds = now - 3.0, 2.0  # dry a second ago
+    first = _job(loop, _stream(), 28, at=now)
+    behind = _job(loop, starving, 128, offset=78, at=now - 0.2)
+    assert _queue(first, behind, max_batch=1).take() == [behind]
+
+
+def test_a_whole_clip_waits_for_near_gaps_only_up_to_its_slack(loop):
+    now = time.monotonic()
+    whole = _job(loop, _stream(streaming=False), 100, finalize=True, at=now)
+    soon, later = _stream(), _stream()
+    soon.first_audio_at, soon.audio_seconds = now, WHOLE_SLACK_S / 2
+    later.first_audio_at, later.audio_seconds = now, WHOLE_SLACK_S * 2
+    queue = _queue(_job(loop, later, 128, offset=78), whole, _job(loop, soon, 128, offset=78), max_batch=1)
+    assert [queue.take()[0].stream for _ in range(3)] == [soon, whole.stream, later]
+
+
+def test_a_huge_job_runs_in_a_step_of_its_own_and_small_ones_are_not_padded_to_it(loop):
+    now = time.monotonic()
+    huge = _job(loop, _stream(streaming=False), 2000, finalize=True, at=now - 10)  # the most urgent
+    small = [_job(loop, _stream(streaming=False), 50, finalize=True, at=now) for _ in range(3)]
+    queue = _queue(*small, huge, step_frames=3 * 2 * (PROMPT_TOKENS + 50))
+    assert queue.take() == [huge]
+    assert queue.take() == small
+
+
+def test_a_step_never_passes_its_padded_size_except_for_a_single_job(loop):
+    jobs = [_job(loop, _stream(streaming=False), n, finalize=True) for n in (30, 60, 90, 120, 150)]
+    budget = 400
+    queue = _queue(*jobs, step_frames=budget)
+    steps = []
+    while len(queue):
+        step = queue.take()
+        frames = [_recompute_cost(job)[1] for job in step]
+        assert len(step) == 1 or len(step) * max(frames) <= budget
+        steps.append(len(step))
+    assert sum(steps) == len(jobs) and max(steps) > 1
+
+
+def test_a_streams_jobs_leave_in_order_when_one_is_left_for_a_later_step(loop):
+    now = time.monotonic()
+    stream = _stream()
+    # Its first chunk cannot share a step with the urgent big job; its next chunk must wait for it.
+    first = _job(loop, stream, 28, at=now)
+    second = _job(loop, stream, 78, offset=28, at=now + 0.01)
+    big = _job(loop, _stream(), 600, at=now - 1)
+    queue = _queue(first, second, big, step_frames=2 * (PROMPT_TOKENS + 600))
+    assert queue.take() == [big]
+    assert queue.take() == [first, second]
+
+
+def test_take_waits_while_held_and_returns_none_once_closed(loop):
+    queue = _queue(_job(loop, _stream(), 28))
+    queue.hold()
+    left = []
+
+    async def close_later():
+        await asyncio.sleep(0.2)
+        left.extend(queue.close())
+
+    async def main():
+        closer = asyncio.ensure_future(close_later())
+        taken = await asyncio.to_thread(queue.take)
+        await closer
+        return taken
+
+    assert loop.run_until_complete(main()) is None
+    assert len(left) == 1 and len(queue) == 0
+
+
+def test_a_streams_first_audio_is_not_held_behind_a_huge_whole_clip(tiny_model):
+    """On the worker: a long whole clip and a new stream arrive together; the stream's first chunk
+    runs in its own step first, and its audio is what a stream alone gets."""
+    g = torch.Generator().manual_seed(3)
+    prompt = PromptInputs(
+        text_ids=torch.tensor([1, 2]),
+        speech_tokens=torch.randint(0, 6561, (25,), generator=g),
+        speech_feat=torch.randn(50, 80, generator=g) - 5,
+        embedding=torch.randn(192, generator=g),
+    )
+    long_tokens = torch.randint(0, 6561, (900,), generator=g).tolist()
+    tokens = torch.randint(0, 6561, (60,), generator=g).tolist()
+    finished: list[str] = []
+
+    async def whole(engine):
+        audio = await engine.whole_clip(prompt, long_tokens, seed=1)
+        finished.append("whole")
+        return audio
+
+    async def streamed(engine):
+        async def feed():
+            yield tokens
+
+        chunks = []
+        async for chunk in engine.open_stream(prompt, seed=2).run(feed()):
+            if not chunks:
+                finished.append("first chunk")
+            chunks.append(chunk)
+        return chunks
+
+    async def main():
+        engine = Token2Wav(tiny_model, step_frames=2 * (25 + 900))
+        engine.start()
+        try:
+            # The whole clip's one job and the stream's two (its first chunk and its last) are queued at once.
+            _, together = await engine.together([whole(engine), streamed(engine)], 3)
+            stats = engine.stats()
+            alone = await streamed(engine)
+        finally:
+            engine.stop()
+        return together, alone, stats
+
+    together, alone, stats = asyncio.run(main())
+    assert finished[:2] == ["first chunk", "whole"]
+    # Three flow calls of one job each: the stream's last chunk was not padded to the whole clip.
+    assert (stats.flow_calls, stats.max_flow_batch) == (3, 1)
+    np.testing.assert_allclose(np.concatenate(together), np.concatenate(alone), rtol=0, atol=1e-5)
