@@ -33,6 +33,7 @@ def test_the_command_line_choices_reach_the_options():
         DEFAULTS,
         engine="torch",
         max_streams=8,
+        max_batch=8,  # a batch never holds more than the admitted streams
         gpu_memory_utilization=0.5,
         first_hop=15,
         max_text_chars=900,
