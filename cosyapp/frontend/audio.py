@@ -71,7 +71,9 @@ class PromptAudio:
 AudioSource = str | Path | bytes | tuple[int, np.ndarray] | PromptAudio
 
 
-def load_prompt_audio(source: AudioSource, max_mb: float = MAX_FILE_MB) -> PromptAudio:
+def load_prompt_audio(
+    source: AudioSource, max_mb: float = MAX_FILE_MB, role: str = "a voice prompt"
+) -> PromptAudio:
     """Read and validate a prompt recording.
 
     Takes a file path, the bytes of a file (anything soundfile decodes: WAV, FLAC, OGG, MP3, ...),
@@ -79,7 +81,8 @@ def load_prompt_audio(source: AudioSource, max_mb: float = MAX_FILE_MB) -> Promp
     a ``PromptAudio`` (already validated) is returned as it is. Channels are averaged to mono.
     A file larger than ``max_mb`` MiB is refused before it is read.
     Returns the samples at the recording's own rate.
-    Raises a ``VoiceError`` subclass naming the problem when the recording is unusable.
+    Raises a ``VoiceError`` subclass naming the problem when the recording is unusable; its
+    message names the recording's ``role`` (the speech to convert has the same limits).
     """
     if isinstance(source, PromptAudio):
         return source
@@ -87,17 +90,17 @@ def load_prompt_audio(source: AudioSource, max_mb: float = MAX_FILE_MB) -> Promp
         rate, array = source
         samples = _to_float(np.asarray(array))
     else:
-        samples, rate = _read_file(source, int(max_mb * 2**20))
+        samples, rate = _read_file(source, int(max_mb * 2**20), role)
     if samples.ndim not in (1, 2):
         raise UnreadableAudioError(f"The recording has shape {samples.shape}; expected (samples, channels).")
     if samples.ndim == 2:
         samples = samples.mean(axis=1)
     samples = np.ascontiguousarray(samples, dtype=np.float32)
-    _validate(samples, int(rate))
+    _validate(samples, int(rate), role)
     return PromptAudio(samples=samples, sample_rate=int(rate))
 
 
-def _read_file(source: str | Path | bytes, max_bytes: int) -> tuple[np.ndarray, int]:
+def _read_file(source: str | Path | bytes, max_bytes: int, role: str) -> tuple[np.ndarray, int]:
     """Decode a file of at most ``max_bytes`` without reading more than just over the length limit."""
     if isinstance(source, bytes):
         size, handle, name = len(source), io.BytesIO(source), "the uploaded file"
@@ -111,13 +114,13 @@ def _read_file(source: str | Path | bytes, max_bytes: int) -> tuple[np.ndarray, 
     if size > max_bytes:
         raise FileTooLargeError(
             f"The file is too large ({size / 2**20:.1f} MB; the limit is {max_bytes / 2**20:g} MB). "
-            "A voice prompt needs only 1-30 s of audio."
+            f"{role[:1].upper() + role[1:]} needs only 1-30 s of audio."
         )
     try:
         with sf.SoundFile(handle) as f:
             rate = f.samplerate
-            _check_rate(rate)
-            _check_not_too_long(f.frames, rate)
+            _check_rate(rate, role)
+            _check_not_too_long(f.frames, rate, role)
             samples = f.read(frames=int(MAX_PROMPT_SECONDS * rate) + 1, dtype="float32", always_2d=True)
     except sf.LibsndfileError as err:
         raise UnreadableAudioError(
@@ -139,19 +142,19 @@ def _to_float(array: np.ndarray) -> np.ndarray:
     raise UnreadableAudioError(f"The recording's samples have type {array.dtype}, which is not audio.")
 
 
-def _validate(samples: np.ndarray, rate: int) -> None:
+def _validate(samples: np.ndarray, rate: int, role: str) -> None:
     if samples.size == 0:
         raise EmptyAudioError("The recording is empty: it contains no samples.")
-    _check_rate(rate)
+    _check_rate(rate, role)
     if not np.isfinite(samples).all():
         raise NonFiniteAudioError("The recording is damaged: some samples are not numbers (NaN or infinite).")
     seconds = len(samples) / rate
     if seconds < MIN_PROMPT_SECONDS:
         raise AudioTooShortError(
-            f"The recording is too short ({seconds:.2f} s): a voice prompt needs at least "
+            f"The recording is too short ({seconds:.2f} s): {role} needs at least "
             f"{MIN_PROMPT_SECONDS:g} s of speech."
         )
-    _check_not_too_long(len(samples), rate)
+    _check_not_too_long(len(samples), rate, role)
     peak = float(np.abs(samples).max())
     if peak < SILENCE_PEAK:
         raise SilentAudioError(
@@ -160,18 +163,18 @@ def _validate(samples: np.ndarray, rate: int) -> None:
         )
 
 
-def _check_rate(rate: int) -> None:
+def _check_rate(rate: int, role: str) -> None:
     if rate < MIN_SAMPLE_RATE:
         raise SampleRateTooLowError(
-            f"The recording's sample rate is {rate} Hz; a voice prompt needs at least "
+            f"The recording's sample rate is {rate} Hz; {role} needs at least "
             f"{MIN_SAMPLE_RATE // 1000} kHz. Record or export it at 16 kHz or more."
         )
 
 
-def _check_not_too_long(frames: int, rate: int) -> None:
+def _check_not_too_long(frames: int, rate: int, role: str) -> None:
     seconds = frames / rate
     if seconds > MAX_PROMPT_SECONDS:
         raise AudioTooLongError(
-            f"The recording is too long ({seconds:.1f} s): a voice prompt may be at most "
+            f"The recording is too long ({seconds:.1f} s): {role} may be at most "
             f"{MAX_PROMPT_SECONDS:g} s. Trim it and try again."
         )

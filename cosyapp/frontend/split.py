@@ -8,6 +8,8 @@ request) grows past MAX_SENTENCE_LEN however the text is written.
 import re
 from collections.abc import Callable, Sequence
 
+from cosyapp.frontend.tags import outside_tags
+
 # split_paragraph as upstream calls it; lengths are characters for Chinese, tokens otherwise.
 MAX_LEN = 80
 MIN_LEN = 60
@@ -69,8 +71,9 @@ def cut_long_pieces(pieces: Sequence[str], limit: int, length: Callable[[str], i
     """``pieces`` with each one longer than ``limit`` (as ``length`` measures) cut into parts.
 
     Cuts go after whitespace or commas, packing as many words into a part as fit; a word longer than
-    ``limit`` on its own is cut between characters. Every part is at most ``limit`` long (a character
-    is at most 4 byte-level tokens, so ``limit`` must be at least 4). Nothing is added or lost.
+    ``limit`` on its own is cut between characters, never inside a fine-grained tag. Every part is at
+    most ``limit`` long, or one tag longer than it (a character is at most 4 byte-level tokens, so
+    ``limit`` must be at least 4). Nothing is added or lost.
     """
     assert limit >= 4, limit
     parts: list[str] = []
@@ -87,6 +90,7 @@ def cut_long_pieces(pieces: Sequence[str], limit: int, length: Callable[[str], i
                 n = len(word)
                 while length(word[:n]) > limit:
                     n //= 2
+                n = outside_tags(word, n)
                 parts.append(word[:n])
                 word = word[n:]
             part += word

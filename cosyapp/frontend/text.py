@@ -19,33 +19,14 @@ from pathlib import Path
 
 from cosyapp.errors import TextError as TextError  # raised here, caught at the edges
 from cosyapp.frontend.split import EN_MARKS, ZH_MARKS, split_paragraph
+from cosyapp.frontend.tags import ENDOFPROMPT, TAGS, split_at_tags
 from cosyapp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 # Upstream's order; the first two already exist in Qwen2, the other 17 get consecutive new ids.
-ADDITIONAL_SPECIAL_TOKENS = (
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|endofprompt|>",
-    "[breath]",
-    "<strong>",
-    "</strong>",
-    "[noise]",
-    "[laughter]",
-    "[cough]",
-    "[clucking]",
-    "[accent]",
-    "[quick_breath]",
-    "<laughter>",
-    "</laughter>",
-    "[hissing]",
-    "[sigh]",
-    "[vocalized-noise]",
-    "[lipsmack]",
-    "[mn]",
-)
+ADDITIONAL_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", ENDOFPROMPT, *TAGS)
 
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -230,16 +211,27 @@ def _run_wetext(normalizer, text: str) -> str:
     wetext 0.1 runs its English FSTs on any text, where 0.0.4 left text without digits alone, and it
     returns each ``"`` and ``\\`` escaped once too often; both are undone here. When its tagger has
     no path through the text (e.g. "#3", "3²", "a \\n 3" in English) wetext fails an assertion; the
-    text is then used as written, as upstream does when wetext is not installed.
+    text is then used as written, as upstream does when wetext is not installed. Not upstream:
+    wetext runs on the text between fine-grained tags, never on a tag (``tags.py``).
     """
     if normalizer is None or not _DIGIT.search(text):
         return text
-    try:
-        normalized = normalizer.normalize(text)
-    except AssertionError:
-        log.warning("wetext cannot normalise %r; using it as written", text[:200])
+    parts = split_at_tags(text)
+    parts[::2] = [_run_wetext_untagged(normalizer, part) for part in parts[::2]]
+    return "".join(parts)
+
+
+def _run_wetext_untagged(normalizer, text: str) -> str:
+    core = text.strip()  # wetext strips; the spaces around a tag stay
+    if not _DIGIT.search(core):
         return text
-    return _WETEXT_ESCAPED.sub(r"\1", normalized)
+    try:
+        normalized = normalizer.normalize(core)
+    except AssertionError:
+        log.warning("wetext cannot normalise %r; using it as written", core[:200])
+        return text
+    start = text.index(core)
+    return text[:start] + _WETEXT_ESCAPED.sub(r"\1", normalized) + text[start + len(core) :]
 
 
 def _skips_normalization(text: str) -> bool:
