@@ -94,16 +94,19 @@ def speech_route(service: Service):
             body.input, voice, body.speed, body.seed, streaming, client, request_id_of(http)
         )
         chunks = pipeline.stream(request)
-        if not request.streaming:
-            try:
+        try:
+            if not request.streaming:
                 samples = await until_disconnected(http, _whole(chunks))
-            except ClientGone:
-                log.info("request %s: the client left; its synthesis stopped", request.request_id)
-                return Response(status_code=499)  # never sent: nobody is listening
-            data = await asyncio.to_thread(encode_clip, samples, body.response_format, pipeline.sample_rate)
-            return Response(data, media_type=MEDIA_TYPES[body.response_format])
-        # A full server raises before the first chunk, while a status can still be sent.
-        first = await anext(chunks, None)
+                data = await asyncio.to_thread(
+                    encode_clip, samples, body.response_format, pipeline.sample_rate
+                )
+                return Response(data, media_type=MEDIA_TYPES[body.response_format])
+            # A full server raises before the first chunk, while a status can still be sent.
+            first = await until_disconnected(http, anext(chunks, None))
+        except ClientGone:
+            await chunks.aclose()
+            log.info("request %s: the client left; its synthesis stopped", request.request_id)
+            return Response(status_code=499)  # never sent: nobody is listening
         encoder = AudioEncoder(body.response_format, pipeline.sample_rate)
         audio = AudioBody(chunks, first, encoder)
         if body.stream_format == "sse":
