@@ -69,7 +69,7 @@ class CardSizing:
         return {
             "gpu": self.gpu,
             "gpu_memory_gib": round(self.memory_gib, 1),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "gpu_memory_utilization": round(self.gpu_memory_utilization, 3),
             "max_streams": self.max_streams,
             "flow_cache_gib_estimate": round(self.flow_cache_gib, 1),
             "sized_to_card": list(self.sized),
@@ -78,7 +78,7 @@ class CardSizing:
 
 def default_share(memory_gib: float) -> float:
     """vLLM's default share of a card of ``memory_gib``: 0.3, or more where 0.3 is under VLLM_MIN_GIB."""
-    return max(VLLM_SHARE, min(0.95, math.ceil(VLLM_MIN_GIB / memory_gib * 100) / 100))
+    return max(VLLM_SHARE, min(0.95, VLLM_MIN_GIB / memory_gib))
 
 
 def streams_for(memory_gib: float, share: float, flow_cache_gb: float | None) -> tuple[int, float]:
