@@ -21,10 +21,15 @@ TEXT = "Hello there, how are you today? I am fine, thanks. " * 8  # minutes of a
 STOPS_WITHIN_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def endless_service(tmp_path_factory):
+    """A service on the endless tiny model (the other tests of API work import it from here)."""
     folder = write_random_model(tmp_path_factory.mktemp("endless") / "model", seed=2, endless=True)
     return make_service(tmp_path_factory, model=str(folder), demo=False)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    return endless_service(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

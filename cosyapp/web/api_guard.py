@@ -27,7 +27,7 @@ def max_body_bytes(max_text_chars: int) -> int:
 
 class ApiGuard:
     """ASGI middleware for ``/v1/*``: 401 without the right ``Authorization: Bearer <api_key>`` (when
-    ``api_key`` is set), 413 for a body over ``max_body`` bytes."""
+    ``api_key`` is set; WebSocket handshakes too), 413 for a body over ``max_body`` bytes."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
         self.app = app
@@ -35,11 +35,14 @@ class ApiGuard:
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(API_PREFIX):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
         refusal = self._check_key(headers.get("authorization"))
+        if scope["type"] == "websocket":  # the handshake is refused with the same 401; no body to cap
+            await (self.app if refusal is None else refusal)(scope, receive, send)
+            return
         length = headers.get("content-length")
         if refusal is None and length is not None and (not length.isdigit() or int(length) > self.max_body):
             refusal = self._too_large()

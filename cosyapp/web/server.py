@@ -5,6 +5,7 @@
     POST /v1/audio/speech   OpenAI-compatible speech in every OpenAI format, whole or streamed (speech.py)
     GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
     DELETE /v1/audio/voices/{id}   delete a shared saved voice (built-in and model voices stay)
+    WS   /v1/audio/speech/stream   text deltas in, each sentence's audio out as it is made (ws.py)
 
 In front of the routes, outermost first: ``RequestIds`` (X-Request-Id, one log line per request),
 ``ApiCors`` (with ``--cors-origins``), ``ApiGuard`` (on /v1/*: the API key when one is set, a body
@@ -27,6 +28,7 @@ import gradio as gr
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.middleware import Middleware
+from starlette.routing import WebSocketRoute
 
 from cosyapp.engine.build import choose_engine
 from cosyapp.errors import VoiceError
@@ -38,6 +40,7 @@ from cosyapp.web.request_ids import RequestIds
 from cosyapp.web.route_guard import RouteGuard
 from cosyapp.web.speech import speech_route
 from cosyapp.web.ui import build_demo, launch_options, mount_options
+from cosyapp.web.ws import speech_stream_route
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +169,7 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         ApiRoute("/v1/audio/speech", speech_route(service), methods=["POST"]),
         ApiRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
         ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
+        WebSocketRoute("/v1/audio/speech/stream", speech_stream_route(service)),
     ]
     settings = service.settings
     middleware = [
