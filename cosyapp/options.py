@@ -30,6 +30,10 @@ class ServeOptions:
     first_hop: speech tokens of a stream's first chunk before its alignment pad; 25 is upstream's
         hop, fewer reach the first audio sooner (see ChunkSchedule for what changes).
     max_text_chars: longest text accepted per request.
+    slowest_speech_rate: syllables per second; a sentence may make at most its syllables at this rate
+        in seconds of audio (at least 2 s), so a generation that does not stop is cut (engine/budget.py);
+        0: no such limit (upstream's 20 speech tokens per text token only).
+    max_request_audio_s: seconds of audio one request may make in all.
     flow_dtype: one of FLOW_DTYPES to run the flow in; None = float16 autocast on CUDA (as upstream's
         fp16 mode), float32 on CPU.
     kv_cache_memory_bytes: vLLM's KV cache on a CPU (on a GPU the utilisation sizes it).
@@ -51,6 +55,11 @@ class ServeOptions:
     max_batch: int = 64
     first_hop: int = 25
     max_text_chars: int = 5000
+    # Normal speech reads 4-5 syllables a second; 1.5 leaves room for slow voices and long pauses.
+    slowest_speech_rate: float = 1.5
+    # 30 minutes: a text of the longest length read at a normal pace (5,000 Chinese characters,
+    # about 20 minutes) fits.
+    max_request_audio_s: float = 1800.0
     flow_dtype: str | None = None
     kv_cache_memory_bytes: int = 256 << 20
     cuda_graphs: bool = True
@@ -74,6 +83,8 @@ class ServeOptions:
                 f"must be between {MIN_FIRST_HOP} and {MAX_HOP}",
             ),
             ("max_text_chars", self.max_text_chars >= 1, "must be at least 1"),
+            ("slowest_speech_rate", self.slowest_speech_rate >= 0, "must not be negative"),
+            ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),
         ]

@@ -37,6 +37,8 @@ class Settings:
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
     max_text_chars: int = DEFAULTS.max_text_chars
+    slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
+    max_request_audio_s: float = DEFAULTS.max_request_audio_s
     max_upload_mb: int = 20
     auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets stay out of logs
     api_key: str | None = field(default=None, repr=False)
@@ -162,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("MAX_TEXT_CHARS", defaults.max_text_chars)),
         help="longest text accepted per request (default: %(default)s; env COSYAPP_MAX_TEXT_CHARS)",
+    )
+    add(
+        "--slowest-speech-rate",
+        type=float,
+        default=float(_env("SLOWEST_SPEECH_RATE", defaults.slowest_speech_rate)),
+        help="syllables per second: a sentence may make at most its syllables at this rate in seconds "
+        "of audio (at least 2 s); one that runs longer is cut with a note; 0: no such limit "
+        "(default: %(default)s; env COSYAPP_SLOWEST_SPEECH_RATE)",
+    )
+    add(
+        "--max-request-audio-s",
+        type=float,
+        default=float(_env("MAX_REQUEST_AUDIO_S", defaults.max_request_audio_s)),
+        help="seconds of audio one request may make in all; a request that reaches it ends with a note "
+        "(default: %(default)s; env COSYAPP_MAX_REQUEST_AUDIO_S)",
     )
     add(
         "--max-upload-mb",

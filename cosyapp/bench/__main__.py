@@ -156,6 +156,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             cuda_graphs=args.cuda_graphs,
             flow_cache_gb=args.flow_cache_gb,
             chunked_final=args.chunked_final,
+            slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:
         parser.error(e.flag())

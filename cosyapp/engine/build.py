@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from cosyapp.engine.budget import AudioBudget
 from cosyapp.engine.lm.base import SpeechTokenLM
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.token2wav.worker import Token2Wav
@@ -81,4 +82,5 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
         ),
         max_streams=options.max_streams,
         max_waiting=options.max_waiting,
+        budget=AudioBudget(options.slowest_speech_rate, options.max_request_audio_s),
     )

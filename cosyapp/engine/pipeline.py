@@ -3,6 +3,15 @@
     request -> text frontend (sentences, ids) -> per sentence: prompt embeddings -> LM engine
     (batched across all requests) -> token2wav worker (batched across all streams) -> audio chunks
 
+Every CosyVoice 2 mode takes this path (``frontend/modes.py``): the LM requests of zero-shot,
+cross-lingual and instruct2 differ only in their prompt, and voice conversion feeds the source
+speech's tokens to token2wav instead of an LM request's.
+
+Each request has an audio budget (``budget.AudioBudget``; the server's from its options through
+``build.build_pipeline``, none by default): a sentence that reaches its limit is cut
+and the request goes on; a request that reaches its own ends. Either way the stream then yields an
+empty ``AudioChunk`` whose ``note`` says so, and the request ends cleanly.
+
 Admission control (``admission.FairAdmission``) bounds the streams in flight and the requests
 waiting, and shares the slots fairly across clients; cancellation (closing the iterator, or
 cancelling the task that consumes it) aborts the LM request and drops pending token2wav work; an
@@ -25,6 +34,7 @@ import torch
 
 from cosyapp.engine.admission import BusyError as BusyError  # callers take it with the Pipeline
 from cosyapp.engine.admission import FairAdmission
+from cosyapp.engine.budget import NO_BUDGET, AudioBudget, RequestBudget
 from cosyapp.engine.lm.base import LMRequest, SpeechTokenLM
 from cosyapp.engine.metrics import Metrics, RequestRecord
 from cosyapp.engine.request import MAX_SEED, SynthesisRequest
@@ -32,18 +42,23 @@ from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for cal
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.worker import Token2Wav
-from cosyapp.frontend.text import TextFrontend
+from cosyapp.frontend.modes import INSTRUCT, VOICE_CONVERSION, instruction_prompt, lm_prompt
+from cosyapp.frontend.text import Sentence, TextFrontend
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
 
 @dataclass(frozen=True)
 class AudioChunk:
-    """Consecutive float32 samples (N,) at ``sample_rate``; ``sentence`` is the sentence index."""
+    """Consecutive float32 samples (N,) at ``sample_rate``; ``sentence`` is the sentence index.
+
+    ``note`` is set, on a chunk of no samples, when a sentence or the request reached its audio
+    budget: what was cut, in words for the user."""
 
     samples: np.ndarray
     sample_rate: int
     sentence: int
+    note: str | None = None
 
 
 def sentence_seed(seed: int, index: int) -> int:
@@ -64,6 +79,7 @@ class Pipeline:
         max_streams: int = DEFAULTS.max_streams,
         max_waiting: int = DEFAULTS.max_waiting,
         metrics: Metrics | None = None,
+        budget: AudioBudget = NO_BUDGET,
     ):
         self.model = model
         self.text = text
@@ -71,6 +87,7 @@ class Pipeline:
         self.lm = lm
         self.token2wav = token2wav
         self.metrics = metrics or Metrics()
+        self.budget = budget
         self.admission = FairAdmission(max_streams, max_waiting, on_reject=self.metrics.rejected)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
@@ -114,7 +131,8 @@ class Pipeline:
                 await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
-        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once.
+        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once (in
+        steps as large as the worker's step_frames allows).
 
         A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
         incremental flow's graphs of those shapes are captured here rather than during requests."""
@@ -169,30 +187,92 @@ class Pipeline:
         """Audio of ``request`` as it is produced (one chunk per sentence when not streaming).
 
         Raises a ``UserError`` for unusable input before any work (``SynthesisRequest.validate``,
-        then the text frontend), and ``BusyError`` when the admission limits are reached.
+        then the text frontend's first block), and ``BusyError`` when the admission limits are
+        reached. Sentences after the first block are prepared while the first ones are spoken.
         """
         request.validate(self.text.max_chars)  # cheap rules first, before the text is prepared
-        sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
+        sentences, prompt, seen = await self._prepare(request)
         seed = secrets.randbits(63) if request.seed is None else request.seed
-        await self.start()
-        async with self.admission.slot(request.client):
-            record = self.metrics.begin(request.request_id)
-            status = "failed"
-            try:
-                for index, sentence in enumerate(sentences):
-                    audio = await self._sentence(request, prompt, sentence.ids, index, seed, record)
-                    # The one place a sentence ends early: closing its audio ends its token2wav
-                    # stream, which drops its queued work and closes (aborts) its LM request.
-                    async with contextlib.aclosing(audio):
-                        async for samples in audio:
-                            self.metrics.audio(record, len(samples) / self.sample_rate)
-                            yield AudioChunk(samples, self.sample_rate, index)
-                status = "done"
-            except (asyncio.CancelledError, GeneratorExit):
-                status = "cancelled"
-                raise
-            finally:
-                self.metrics.end(record, status)
+        budget = self.budget.request()
+        async with contextlib.aclosing(sentences):
+            await self.start()
+            async with self.admission.slot(request.client):
+                record = self.metrics.begin(request.request_id, request.mode)
+                status = "failed"
+                try:
+                    index = 0
+                    async for sentence in sentences:
+                        async for chunk in self._sentence_audio(
+                            request, prompt, seen, sentence, index, seed, record, budget
+                        ):
+                            yield chunk
+                        if budget.left <= 0:
+                            break
+                        index += 1
+                    status = "done"
+                except (asyncio.CancelledError, GeneratorExit):
+                    status = "cancelled"
+                    raise
+                finally:
+                    self.metrics.end(record, status)
+
+    async def _prepare(
+        self, request: SynthesisRequest
+    ) -> tuple[AsyncGenerator[Sentence, None], PromptInputs, PromptInputs | None]:
+        """The request's sentences, its voice's prompt (the flow's) and what the LM sees of it in the
+        request's mode (``modes.lm_prompt``; None: voice conversion, no LM), prepared off the loop.
+        Voice conversion has one sentence, of no text: the speech to convert."""
+        if request.mode == VOICE_CONVERSION:
+            return _given([Sentence("", ())]), request.voice.features.prompt([]), None
+        instruction = ()
+        if request.mode == INSTRUCT:
+            instruction = await self.text_workers.tokenize(instruction_prompt(request.instruction))
+        sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
+        return sentences, prompt, lm_prompt(request.mode, prompt, instruction)
+
+    async def _sentence_audio(
+        self,
+        request: SynthesisRequest,
+        prompt: PromptInputs,
+        seen: PromptInputs | None,
+        sentence: Sentence,
+        index: int,
+        seed: int,
+        record: RequestRecord,
+        budget: RequestBudget,
+    ) -> AsyncGenerator[AudioChunk, None]:
+        """One sentence's chunks, then a note chunk if it reached its limit; spends the budget.
+
+        The LM request's tokens (at most the budget's cap, in the request and here), or in voice
+        conversion (``seen`` None) the source's tokens, go through a token2wav stream in ``prompt``."""
+        if seen is None:  # at most 30 s of source speech: no LM, nothing to cap
+            tokens, max_tokens, note = _given([list(request.source_tokens)]), len(request.source_tokens), None
+            counted = None
+        else:
+            min_tokens, upstream_max = self.model.lm.sampling.length_limits(len(sentence.ids))
+            max_tokens, note = budget.cap(sentence.text, upstream_max)
+            lm_request = LMRequest(
+                request_id=f"{request.request_id}-{index}",
+                prompt_embeds=await asyncio.to_thread(self._prompt_embeds, seen, sentence.ids),
+                min_tokens=min(min_tokens, max_tokens),
+                max_tokens=max_tokens,
+                seed=sentence_seed(seed, index),
+            )
+            tokens, counted = self.lm.generate(lm_request), functools.partial(self.metrics.tokens, record)
+        stream = self.token2wav.open_stream(
+            prompt, speed=request.speed, streaming=request.streaming, seed=sentence_seed(seed, index)
+        )
+        cap = TokenCap(max_tokens)
+        audio = stream.run(cap.cut(tokens), counted)
+        # The one place a sentence ends early: closing its audio ends its token2wav stream, which
+        # drops its queued work and closes (aborts) its LM request.
+        async with contextlib.aclosing(audio):
+            async for samples in audio:
+                self.metrics.audio(record, len(samples) / self.sample_rate)
+                yield AudioChunk(samples, self.sample_rate, index)
+        budget.spend(cap.made)
+        if note is not None and cap.made >= max_tokens:
+            yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, index, note)
 
     async def synthesize(self, request: SynthesisRequest) -> tuple[int, np.ndarray]:
         """The whole clip of ``request``: (sample rate, float32 samples)."""
@@ -209,36 +289,40 @@ class Pipeline:
         """
         return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
 
-    async def _sentence(
-        self,
-        request: SynthesisRequest,
-        prompt: PromptInputs,
-        ids: tuple[int, ...],
-        index: int,
-        seed: int,
-        record: RequestRecord,
-    ) -> AsyncGenerator[np.ndarray, None]:
-        """The audio of one sentence: its LM request's tokens through a token2wav stream."""
-        min_tokens, max_tokens = self.model.lm.sampling.length_limits(len(ids))
-        lm_request = LMRequest(
-            request_id=f"{request.request_id}-{index}",
-            prompt_embeds=await asyncio.to_thread(self._prompt_embeds, prompt, ids),
-            min_tokens=min_tokens,
-            max_tokens=max_tokens,
-            seed=sentence_seed(seed, index),
-        )
-        stream = self.token2wav.open_stream(
-            prompt, speed=request.speed, streaming=request.streaming, seed=sentence_seed(seed, index)
-        )
-        return stream.run(self.lm.generate(lm_request), functools.partial(self.metrics.tokens, record))
-
     def _prompt_embeds(self, prompt: PromptInputs, ids: tuple[int, ...]) -> torch.Tensor:
-        """The LM's prompt embeddings (L0, D) float32 on the CPU; runs in a worker thread."""
+        """The LM's prompt embeddings (L0, D) float32 on the CPU, from what the LM sees of the
+        voice (``modes.lm_prompt``); runs in a worker thread."""
         with torch.inference_mode():
             embeds = self.model.lm.prompt_embeds(
                 prompt.text_ids, torch.tensor(ids, dtype=torch.long), prompt.speech_tokens
             )
             return embeds.float().cpu()
+
+
+class TokenCap:
+    """Cuts an LM's token lists at ``limit`` in all, so a budget holds whatever an engine does with
+    ``max_tokens``; ``made`` counts the tokens let through."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.made = 0
+
+    async def cut(self, tokens: AsyncGenerator[list[int], None]) -> AsyncGenerator[list[int], None]:
+        """``tokens`` up to the limit; closing this closes (aborts) ``tokens``."""
+        async with contextlib.aclosing(tokens):
+            async for new in tokens:
+                new = new[: self.limit - self.made]
+                self.made += len(new)
+                if new:
+                    yield new
+                if self.made >= self.limit:
+                    return
+
+
+async def _given(items: list) -> AsyncGenerator:
+    """``items`` as an async iterator (what is already known, where the Pipeline reads a stream)."""
+    for item in items:
+        yield item
 
 
 def _gpu_memory_gb() -> float:

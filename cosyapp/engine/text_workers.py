@@ -1,6 +1,11 @@
 """The text frontend off the event loop: a request's text and its voice's prompt are prepared in a
 worker thread, and wetext's normalisation inside it runs in a worker process.
 
+A text is prepared a block at a time (``TextFrontend.prepare_blocks``): the first block's sentences
+and the voice's prompt before the request starts, each later block while the sentences before it
+are spoken, one block ahead. A long text thus starts as soon as a short one, and holds the one
+text thread for a block at a time, so other requests' first blocks get in between.
+
 Why a process for wetext: its normaliser (a C++ FST search) holds the GIL while it runs, 1.2 s for a
 5,000-character English text with numbers on one core of the test machine (about 3 s for Chinese);
 in any thread of the serving process it would stall the event loop that drives every stream and
@@ -17,12 +22,13 @@ share one frontend. One process: the thread waits for each normalisation in turn
 
 import asyncio
 import os
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import TYPE_CHECKING
 
-from cosyapp.frontend.text import Sentence, TextFrontend, wetext_normalizers
+from cosyapp.frontend.text import NOTHING_TO_READ, Sentence, TextError, TextFrontend, wetext_normalizers
 
 if TYPE_CHECKING:  # torch-free at import: the worker process imports this module
     from cosyapp.frontend.voices import Voice
@@ -49,17 +55,44 @@ class TextWorkers:
         """Start the thread and the wetext process, so the first request does not wait for them."""
         await self._run(self._frontend.prompt_ids, "1.")
 
-    async def prepare(self, text: str, voice: "Voice") -> tuple[list[Sentence], "PromptInputs"]:
-        """``text`` as sentences (``TextFrontend.prepare``) and ``voice``'s model inputs, off the loop.
+    async def prepare(
+        self, text: str, voice: "Voice"
+    ) -> tuple[AsyncGenerator[Sentence, None], "PromptInputs"]:
+        """``text``'s sentences as they are prepared, and ``voice``'s model inputs, off the loop.
 
-        Raises what they raise (``TextError`` for unusable text).
+        Returns once the first sentences and the prompt are ready; the iterator prepares the rest a
+        block ahead (close it to stop). Raises ``TextError`` for unusable text, here for what the
+        first block shows (any rule of ``check_text``, nothing to read aloud in the whole text) and
+        from the iterator for what a later block shows (a number too long to spell out); raises
+        what the voice raises.
         """
-        return await self._run(lambda: (self._frontend.prepare(text), voice.prompt(self._frontend)))
+        blocks = self._frontend.prepare_blocks(text)
+        first, prompt = await self._run(lambda: (_first_sentences(blocks), voice.prompt(self._frontend)))
+        return self._sentences(first, blocks), prompt
 
-    async def _run(self, work, *args):
+    async def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids as written (no normalisation), in the text thread, the tokenizer's one
+        user."""
+        return await self._run(self._frontend.tokenize, text)
+
+    async def _sentences(
+        self, first: list[Sentence], blocks: Iterator[list[Sentence]]
+    ) -> AsyncGenerator[Sentence, None]:
+        ahead = self._run(next, blocks, None)
+        try:
+            for sentence in first:
+                yield sentence
+            while (sentences := await ahead) is not None:
+                ahead = self._run(next, blocks, None)
+                for sentence in sentences:
+                    yield sentence
+        finally:
+            ahead.cancel()  # a block not started is dropped; one in the thread finishes unread
+
+    def _run(self, work, *args) -> asyncio.Future:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="text")
-        return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
+        return asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
 
     def close(self) -> None:
         """Stop the thread and the process (idempotent)."""
@@ -75,6 +108,14 @@ class TextWorkers:
         if self._process is None:
             self._process = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_load)
         return self._process.submit(_normalize, language, text).result()
+
+
+def _first_sentences(blocks: Iterator[list[Sentence]]) -> list[Sentence]:
+    """The sentences of the first block that has any; TextError when none has."""
+    for sentences in blocks:
+        if sentences:
+            return sentences
+    raise TextError(NOTHING_TO_READ)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import itertools
 import logging
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cosyapp.errors import TextError as TextError  # raised here, caught at the edges
-from cosyapp.frontend.split import EN_MARKS, ZH_MARKS, split_paragraph
+from cosyapp.frontend.split import EN_MARKS, ZH_MARKS, cut_blocks, split_paragraph
 from cosyapp.frontend.tags import ENDOFPROMPT, TAGS, split_at_tags
 from cosyapp.options import DEFAULTS
 
@@ -61,6 +61,9 @@ def check_text(text: str, max_chars: int) -> None:
             f"The text is written in a script this model cannot read ({script}). CosyVoice 2 reads "
             "Chinese, English, Japanese and Korean."
         )
+
+
+NOTHING_TO_READ = "The text has nothing to read aloud once normalised."
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class TextFrontend:
         return self._normalize_zh(text) if _is_chinese(text) else self._normalize_en(text)
 
     def split(self, text: str) -> list[str]:
-        """The TTS text normalised and split into sentences (upstream's ``split=True``).
+        """The TTS text normalised and split into sentences as one piece (upstream's ``split=True``).
 
         Control characters are removed first; sentences with nothing to read aloud (no letter or
         digit) are dropped. Raises ``TextError`` for a number too long to spell out.
@@ -133,27 +136,50 @@ class TextFrontend:
         if _skips_normalization(text):
             return [text]
         text = text.strip()
-        if _is_chinese(text):
-            sentences = split_paragraph(self._normalize_zh(text), ZH_MARKS, "。", len)
-        else:
-            sentences = split_paragraph(self._normalize_en(text), EN_MARKS, ".", self._token_count)
-        return [s for s in sentences if not has_nothing_to_read(s)]
+        return self._split_normalized(text, _is_chinese(text))
+
+    def prepare_blocks(self, text: str) -> Iterator[list[Sentence]]:
+        """The sentences of the user's ``text`` with their token ids, a block at a time.
+
+        Long texts are normalised and split block by block (``split.cut_blocks``: about 1,000
+        characters, the first 300, each ending where a sentence surely ends), so a caller can start on the
+        first sentences while the rest is prepared; the language is chosen once, for the whole text,
+        as upstream. A block may have no sentence (nothing to read aloud). Lazy: the first ``next``
+        raises ``TextError`` for text ``check_text`` refuses (with ``max_chars``), any ``next`` for
+        a number too long to spell out.
+        """
+        check_text(text, self.max_chars)
+        text = remove_control_characters(text)
+        if _skips_normalization(text):
+            yield [Sentence(text, tuple(self.tokenize(text)))]
+            return
+        text = text.strip()
+        chinese = _is_chinese(text)
+        for block in cut_blocks(text, chinese):
+            sentences = self._split_normalized(block.strip(), chinese)
+            yield [Sentence(s, tuple(self.tokenize(s))) for s in sentences]
 
     def prepare(self, text: str) -> list[Sentence]:
-        """Validate the user's text, then split it into sentences with their token ids.
+        """Every sentence of ``prepare_blocks(text)``.
 
         Raises ``TextError`` for text ``check_text`` refuses (with ``max_chars``), or that has
         nothing to read aloud once normalised.
         """
-        check_text(text, self.max_chars)
-        sentences = [Sentence(s, tuple(self.tokenize(s))) for s in self.split(text)]
+        sentences = [s for block in self.prepare_blocks(text) for s in block]
         if not sentences:
-            raise TextError("The text has nothing to read aloud once normalised.")
+            raise TextError(NOTHING_TO_READ)
         return sentences
 
     def prompt_ids(self, prompt_text: str) -> list[int]:
         """Token ids of the normalised prompt text (tokenised apart from the TTS text, as upstream)."""
         return self.tokenize(self.normalize_prompt(prompt_text))
+
+    def _split_normalized(self, text: str, chinese: bool) -> list[str]:
+        if chinese:
+            sentences = split_paragraph(self._normalize_zh(text), ZH_MARKS, "。", len)
+        else:
+            sentences = split_paragraph(self._normalize_en(text), EN_MARKS, ".", self._token_count)
+        return [s for s in sentences if not has_nothing_to_read(s)]
 
     def _token_count(self, text: str) -> int:
         return len(self.tokenize(text))
