@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cosyapp.errors import ParamError
+from cosyapp.errors import ParamError, TextError
 from cosyapp.frontend.text import check_text
 
 if TYPE_CHECKING:  # the voice library needs torch; a request only carries its voice
@@ -18,21 +18,36 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 MAX_SEED = 2**63 - 1
 
 
-def check_options(speed: float | None, seed: float | None) -> None:
+def shown(value: object, limit: int = 40) -> str:
+    """``value`` as a message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an int or float (a bool is not, though Python counts it as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_options(speed: object, seed: object) -> None:
     """Raise ``ParamError`` when ``speed`` is not a number in [MIN_SPEED, MAX_SPEED] (NaN is not) or
-    a given ``seed`` is not a whole number in [0, MAX_SEED]; seed None draws a fresh one."""
-    number = isinstance(speed, int | float) and not isinstance(speed, bool)
-    if not (number and MIN_SPEED <= speed <= MAX_SPEED):
-        raise ParamError(f"Speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed}.", "speed")
-    whole = not isinstance(seed, float) or seed.is_integer()  # NaN and infinities are not
+    a given ``seed`` is not a whole number in [0, MAX_SEED]; seed None draws a fresh one.
+
+    Any value is checked, not only numbers: the web UI hands on what a client sent."""
+    if not (is_number(speed) and MIN_SPEED <= speed <= MAX_SPEED):
+        raise ParamError(f"Speed must be between {MIN_SPEED} and {MAX_SPEED}, got {shown(speed)}.", "speed")
+    whole = is_number(seed) and (not isinstance(seed, float) or seed.is_integer())  # not NaN, infinities
     if seed is not None and not (whole and 0 <= seed <= MAX_SEED):
-        raise ParamError(f"The seed must be a whole number from 0 to {MAX_SEED}, got {seed}.", "seed")
+        raise ParamError(f"The seed must be a whole number from 0 to {MAX_SEED}, got {shown(seed)}.", "seed")
 
 
-def check_request(text: str, speed: float | None, seed: float | None, max_chars: int) -> None:
-    """The request rules, text first: raises ``TextError`` (see ``check_text``) or ``ParamError``.
+def check_request(text: object, speed: object, seed: object, max_chars: int) -> None:
+    """The request rules, text first: raises ``TextError`` (a text that is not a string, or see
+    ``check_text``) or ``ParamError``.
 
     The edges call it before they look up or compute the voice, which can take a while."""
+    if not isinstance(text, str):
+        raise TextError(f"The text must be a string, got {shown(text)}.")
     check_text(text, max_chars)
     check_options(speed, seed)
 

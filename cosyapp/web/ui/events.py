@@ -22,14 +22,14 @@ import gradio as gr
 import numpy as np
 
 from cosyapp.codec import to_int16, wav
-from cosyapp.engine.request import SynthesisRequest, check_request
+from cosyapp.engine.request import SynthesisRequest, shown
 from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
 from cosyapp.frontend.audio import PromptAudio, load_prompt_audio
 from cosyapp.frontend.voices import Voice, VoiceInfo, check_prompt_text
 from cosyapp.service import Service
 from cosyapp.web.clients import client_key
 from cosyapp.web.ui.audio import ClipFolder
-from cosyapp.web.ui.form import SpeechForm
+from cosyapp.web.ui.form import SpeechForm, as_text
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,12 @@ def request_stats(
     rtf = f"{elapsed / seconds:.2f}" if seconds else "–"
     parts += [f"RTF **{rtf}**", f"audio **{seconds:.2f} s** ({samples:,} samples at {sample_rate:,} Hz)"]
     return " · ".join(parts)
+
+
+def failed_stats(message: str, batch: int) -> str:
+    """The stats line of a whole clip that failed in a batch: ``**Failed:** MESSAGE · whole clip in
+    a batch of **N**`` (README: how an API client tells a failure)."""
+    return f"**Failed:** {message} · whole clip in a batch of **{batch}**"
 
 
 @dataclass
@@ -124,6 +130,9 @@ class Handlers:
     ) -> tuple[dict, str]:
         """Save the recording as a named voice; returns the updated speaker control and a cleared name."""
         with toasts():
+            prompt_text, session = as_text(prompt_text, "transcript"), as_text(session, "session")
+            if not isinstance(shared, bool):
+                raise UserError(f"“Share with everyone” must be true or false, got {shown(shared)}.")
             if recording is None:
                 raise VoiceError("Upload or record a voice prompt first.")
             audio = self.recording_audio(recording)
@@ -135,6 +144,7 @@ class Handlers:
         """Delete a voice saved in this browser session (shared or not); returns the updated speaker
         control with its first voice selected."""
         with toasts():
+            voice_id, session = as_text(voice_id, "voice"), as_text(session, "session")
             listed = {info.id: info for info in self.voices.list_voices(session or None)}
             info = listed.get(voice_id)
             if info is None or info.kind != "user":
@@ -167,10 +177,10 @@ class Handlers:
     def request(
         self, form: SpeechForm, streaming: bool, address: str | None, gradio_session: str | None = None
     ) -> SynthesisRequest:
-        """Check the form, then build the request (a recording's features are computed here: call
-        it off the loop). Fair admission keys it by the page's session, else by the Gradio session
-        of an API client (each gradio_client Client is one), else by ``address``."""
-        check_request(form.text, form.speed, form.seed, self.max_chars)
+        """Check the form (``SpeechForm.check``), then build the request (a recording's features are
+        computed here: call it off the loop). Fair admission keys it by the page's session, else by
+        the Gradio session of an API client (each gradio_client Client is one), else by ``address``."""
+        form.check(self.max_chars)
         voice = self.voice(form.voice_id, form.recording, form.prompt_text, form.session)
         seed = None if form.seed is None else int(form.seed)
         client = client_key(form.session or gradio_session, address)
@@ -211,8 +221,9 @@ class Handlers:
         batch share that event's address for fair admission.
 
         Returns [players, stats lines, files], one entry per request. A batch of one raises
-        ``gr.Error`` for a failure; in a larger batch a failed request gets its message in its stats
-        line, since an exception would fail every request of the batch.
+        ``gr.Error`` for a failure; in a larger batch a failed request gets no audio and no file and
+        its message in its stats line (``failed_stats``), since an exception would fail every
+        request of the batch.
         """
         started = time.monotonic()
         forms = SpeechForm.batch(values)
@@ -235,7 +246,7 @@ class Handlers:
                 if size == 1:
                     raise error from outcome
                 players.append(None)
-                stats.append(f"**Failed:** {error.message}")
+                stats.append(failed_stats(error.message, size))
                 files.append(None)
                 continue
             rate, clip = outcome

@@ -19,6 +19,7 @@ from cosyapp.service import Service
 from cosyapp.web.ui.audio import ensure_ffmpeg
 from cosyapp.web.ui.events import RECORDING, Handlers
 from cosyapp.web.ui.form import SpeechForm
+from cosyapp.web.ui.inputs import hand_on, isolate_requests
 from cosyapp.web.ui.panel import build_panel
 
 CLIP_BATCH = 16
@@ -44,15 +45,6 @@ CSS = """
 #download .empty { height: 64px; min-height: 0; }
 .dark audio { color-scheme: dark; }
 """
-
-
-def without_range_check(slider: gr.Slider) -> gr.Slider:
-    """``slider`` handing its value on unchecked. Gradio's own range check would fail a whole batch
-    for one request's value, with a message of its own; the request rules (``check_options``) check
-    it instead, with the API's message. (An instance override: a Component subclass would make
-    Gradio write a .pyi stub beside this module.)"""
-    slider.preprocess = lambda payload: gr.Number.round_to_precision(payload, slider.precision)
-    return slider
 
 
 def demo_banner(reason: str) -> str:
@@ -149,13 +141,12 @@ def build_demo(service: Service) -> gr.Blocks:
                             "Delete the selected voice", size="sm", variant="stop", elem_id="delete-voice"
                         )
                 with gr.Row(elem_id="seed-row"):
-                    speed = without_range_check(
-                        gr.Slider(
-                            MIN_SPEED, MAX_SPEED, value=1.0, step=0.05, label="Speed", scale=3, min_width=180
-                        )
+                    speed = gr.Slider(
+                        MIN_SPEED, MAX_SPEED, value=1.0, step=0.05, label="Speed", scale=3, min_width=180
                     )
-                    # no minimum: Gradio's own range check would fail a whole batch for one bad seed
-                    seed = gr.Number(0, label="Seed", precision=0, scale=2, min_width=120, elem_id="seed")
+                    seed = gr.Number(
+                        0, label="Seed", minimum=0, precision=0, scale=2, min_width=120, elem_id="seed"
+                    )
                     dice = gr.Button("⚄ random", size="sm", scale=0, min_width=90, elem_id="dice")
                 with gr.Row(elem_id="action-row"):
                     streaming = gr.Checkbox(True, label="Stream", scale=0, min_width=110, elem_id="streaming")
@@ -198,6 +189,10 @@ def build_demo(service: Service) -> gr.Blocks:
             seed=seed,
             session=session,
         )
+        # Ranges and types are for people on the page: the server hands on what a client sent and the
+        # handlers check it, so one bad value fails only its own request of a batch (inputs.py).
+        for component in (text, voice, prompt_text, speed, seed, session):
+            hand_on(component)
         speaking = generate.click(
             handlers.speak,
             inputs_kwargs=form,
@@ -255,6 +250,7 @@ def build_demo(service: Service) -> gr.Blocks:
     demo.max_file_size = settings.max_upload_mb * 2**20
     demo.auth = [settings.auth] if settings.auth else None
     demo.queue(max_size=max(64, 4 * settings.max_streams), default_concurrency_limit=1)
+    isolate_requests(demo)
     assert RECORDING not in {v for _, v in voices[:-1]}, "a library voice id collides with RECORDING"
     return demo
 
