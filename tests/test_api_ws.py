@@ -92,6 +92,31 @@ def test_audio_starts_before_the_text_ends_in_order_and_as_long_as_the_text_sent
     wait_until(lambda: idle(service))
 
 
+def test_the_next_sentence_is_made_while_the_current_one_is_sent(url, service):
+    """A connection has its next sentence in flight beside the one it sends, never more."""
+    in_flight: list[int] = []
+    done = False
+
+    def watch() -> None:
+        while not done:
+            in_flight.append(service.pipeline.health()["active_streams"])
+            time.sleep(0.005)
+
+    async def main():
+        nonlocal done
+        watcher = asyncio.create_task(asyncio.to_thread(watch))
+        try:
+            return await converse(url, [TEXT], pause_s=0, response_format="pcm")
+        finally:
+            done = True
+            await watcher
+
+    got = asyncio.run(main())
+    assert got["events"][-1]["sentences"] == 4
+    assert max(in_flight) == 2
+    wait_until(lambda: idle(service))
+
+
 def test_the_binary_frames_form_one_file_of_the_format(url):
     got = asyncio.run(converse(url, [TEXT[:40], TEXT[40:]], pause_s=0, response_format="wav"))
     assert got["audio"].startswith(b"RIFF") and got["audio"].count(b"RIFF") == 1

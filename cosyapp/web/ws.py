@@ -13,9 +13,11 @@ Server -> client:
 The binary frames of a connection, concatenated, are one file of ``response_format``.
 
 Each sentence is synthesised as soon as ``SentenceCutter`` sees it complete, as a Pipeline request
-of its own (same admission, fairness, limits and metrics as the HTTP API), one after another. A
-client that reads slowly holds up the sends, and with them the next sentence; text that arrives
-faster than it is spoken waits in a bounded queue, and past it the server stops reading.
+of its own (same admission, fairness, limits and metrics as the HTTP API); while one sentence's
+audio is sent, the next one is already being made, so there is no first-audio wait between
+sentences. A client that reads slowly holds up the sends, and with them the sentence after next;
+text that arrives faster than it is spoken waits in a bounded queue, and past it the server stops
+reading.
 Errors: {"type": "error", "error": {OpenAI's error object}}, then a close code (``CLOSE_CODES``).
 """
 
@@ -196,33 +198,62 @@ class SpeechSession:
                 return
 
     async def _speak(self, start: StartMessage) -> None:
-        """Synthesise the sentences in order; send each one's marks and audio."""
-        pipeline = self.service.pipeline
-        encoder = AudioEncoder(start.response_format, pipeline.sample_rate)
-        client = client_key(None, self.websocket.client.host if self.websocket.client else None)
+        """Send the sentences' marks and audio in order, the next sentence already being made while
+        the current one is sent, so sentences follow each other without a first-audio wait."""
+        encoder = AudioEncoder(start.response_format, self.service.pipeline.sample_rate)
+        made: list[asyncio.Task] = []
         index = total = 0
-        while (text := await self.sentences.get()) is not None:
-            if has_nothing_to_read(text):  # a stray mark or emoji between sentences: nothing to say
-                continue
-            seed = None if start.seed is None else sentence_seed(start.seed, index)
-            request = SynthesisRequest(
-                text, self.voice, start.speed, seed, True, client, f"{self.request_id}-{index}"
-            )
-            await self.websocket.send_json({"type": "sentence.start", "index": index, "text": text})
-            samples = 0
-            chunks = pipeline.stream(request)
-            try:
-                async for chunk in chunks:
-                    samples += len(chunk.samples)
-                    await self._send_audio(encoder, chunk.samples)
-            finally:
-                await chunks.aclose()
-            await self.websocket.send_json({"type": "sentence.end", "index": index, "samples": samples})
-            index, total = index + 1, total + samples
+        try:
+            current = await self._next_sentence(start, index, made)
+            while current is not None:
+                text, audio, making = current
+                following = asyncio.create_task(self._next_sentence(start, index + 1, made))
+                made.append(following)
+                await self.websocket.send_json({"type": "sentence.start", "index": index, "text": text})
+                samples = 0
+                while (chunk := await audio.get()) is not None:
+                    samples += len(chunk)
+                    await self._send_audio(encoder, chunk)
+                await making  # raises what making the sentence raised
+                await self.websocket.send_json({"type": "sentence.end", "index": index, "samples": samples})
+                index, total = index + 1, total + samples
+                current = await following
+        finally:
+            for task in made:
+                task.cancel()  # a sentence being made closes its pipeline stream: its work is aborted
+            await asyncio.gather(*made, return_exceptions=True)
         tail = await asyncio.to_thread(encoder.finish)
         if tail:
             await self.websocket.send_bytes(tail)
         await self.websocket.send_json({"type": "done", "sentences": index, "samples": total})
+
+    async def _next_sentence(
+        self, start: StartMessage, index: int, made: list[asyncio.Task]
+    ) -> tuple[str, asyncio.Queue, asyncio.Task] | None:
+        """Wait for the next sentence with something to read and start making its audio: (text, a
+        queue of its samples ending with None, the task making them); None after the client's end."""
+        while (text := await self.sentences.get()) is not None:
+            if not has_nothing_to_read(text):  # a stray mark or emoji between sentences: nothing to say
+                break
+        if text is None:
+            return None
+        client = client_key(None, self.websocket.client.host if self.websocket.client else None)
+        seed = None if start.seed is None else sentence_seed(start.seed, index)
+        request_id = f"{self.request_id}-{index}"
+        request = SynthesisRequest(text, self.voice, start.speed, seed, True, client, request_id)
+        audio: asyncio.Queue = asyncio.Queue()
+        making = asyncio.create_task(self._make(request, audio))
+        made.append(making)
+        return text, audio, making
+
+    async def _make(self, request: SynthesisRequest, audio: asyncio.Queue) -> None:
+        chunks = self.service.pipeline.stream(request)
+        try:
+            async for chunk in chunks:
+                audio.put_nowait(chunk.samples)
+        finally:
+            audio.put_nowait(None)  # the sender then awaits this task, which raises what it raised
+            await chunks.aclose()
 
     async def _send_audio(self, encoder: AudioEncoder, samples) -> None:
         inline = encoder.format in ("wav", "pcm")  # a numpy conversion: microseconds a chunk
