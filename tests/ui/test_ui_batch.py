@@ -172,3 +172,19 @@ def test_a_request_with_the_wrong_number_of_values_is_refused_when_it_joins_the_
         400,
         {"detail": f"This endpoint takes 7 values, got {count}."},
     )
+
+
+def test_a_voice_event_refuses_a_file_that_was_not_uploaded_with_a_readable_message(client, ui, outside):
+    # The page's recording check runs when a recording arrives; a hand-made call can name any path.
+    dependencies = client.config["dependencies"]
+    recording_id = next(
+        c["id"] for c in client.config["components"] if c["props"].get("elem_id") == "recording"
+    )
+    fn_index = next(i for i, dep in enumerate(dependencies) if dep["inputs"] == [recording_id])  # the check
+    body = {"data": [file_at(outside)], "fn_index": fn_index, "session_hash": "voice-event"}
+    with httpx.Client(base_url=ui.url, timeout=60) as http:
+        assert http.post("gradio_api/queue/join", json=body).status_code == 200
+        answer = http.get("gradio_api/queue/data", params={"session_hash": "voice-event"}).text
+    completed = json.loads(next(line for line in answer.splitlines() if "process_completed" in line)[6:])
+    assert completed["success"] is False
+    assert completed["output"]["error"].startswith("Only files uploaded to this server can be used")
