@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosyapp.asr.transcriber import Transcriber
 from cosyapp.engine.build import build_pipeline
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.frontend.voices import VoiceLibrary
@@ -19,13 +20,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Service:
     """The shared state of the process. ``demo_reason`` is set (and shown in the page) when the
-    model has random weights, saying why."""
+    model has random weights, saying why. ``asr`` transcribes voice prompts (None: ``--no-asr``)."""
 
     settings: Settings
     pipeline: Pipeline
     voices: VoiceLibrary
     model_dir: Path
     demo_reason: str | None = None
+    asr: Transcriber | None = None
 
 
 def demo_model(settings: Settings) -> Path:
@@ -64,4 +66,8 @@ def build_service(settings: Settings, demo_reason: str | None = None) -> Service
     voices = VoiceLibrary(
         settings.data_dir, VoiceFrontend(folder, model.device), spk2info=folder / "spk2info.pt"
     )
-    return Service(settings, pipeline, voices, folder, demo_reason)
+    # Loaded on first use; with a demo TTS model, the demo ASR model too (no download for either).
+    asr = None
+    if settings.asr_model is not None:
+        asr = Transcriber(settings.asr_model, settings.device, settings.cache_dir, demo_reason is not None)
+    return Service(settings, pipeline, voices, folder, demo_reason, asr)

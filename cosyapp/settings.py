@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from cosyapp.deploy.sizing import CardSizing
 
 DEFAULT_REPO = "FunAudioLLM/CosyVoice2-0.5B"
+DEFAULT_ASR_REPO = "openai/whisper-large-v3-turbo"  # prompt transcription (cosyapp/asr/)
 # Left unset (no flag, no COSYAPP_* variable), these are sized to the GPU's memory at start
 # (cosyapp/deploy/sizing.py); until then they hold the defaults of ServeOptions.
 CARD_SIZED = ("gpu_memory_utilization", "max_streams")
@@ -26,6 +27,7 @@ class Settings:
 
     model: str = DEFAULT_REPO
     demo: bool = False
+    asr_model: str | None = DEFAULT_ASR_REPO  # None: --no-asr
     device: str | None = None
     engine: str = DEFAULTS.engine
     host: str = "127.0.0.1"
@@ -90,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=_flag("DEMO"),
         help="use a tiny random-weight model written locally instead of real weights: for trying the "
         "interface without a download; it speaks noise (env COSYAPP_DEMO=1)",
+    )
+    add(
+        "--asr-model",
+        default=_env("ASR_MODEL", defaults.asr_model),
+        help="Whisper model that transcribes voice prompts: a hub repo id or a folder in the hub's layout; "
+        "the default falls back to a tiny random-weight one when it cannot be downloaded (as --demo does) "
+        "(default: %(default)s; env COSYAPP_ASR_MODEL)",
+    )
+    add(
+        "--no-asr",
+        action="store_true",
+        default=_flag("NO_ASR"),
+        help="do not transcribe voice prompts: users type the transcript (env COSYAPP_NO_ASR=1)",
     )
     add(
         "--device",
@@ -246,6 +261,8 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     args.cors_origins = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip())
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be 0 or more")
+    if args.__dict__.pop("no_asr"):
+        args.asr_model = None
     args.card_sized = tuple(name for name in CARD_SIZED if getattr(args, name) is None)
     for name in args.card_sized:
         setattr(args, name, getattr(DEFAULTS, name))
