@@ -187,6 +187,8 @@ class GradioDriver:
         self.clients = []
 
     def _run(self, text: str, api_name: str, seeds: list[int], on_done: OnDone) -> list[RequestResult]:
+        from cosyapp.web.ui.events import batch_failure
+
         starts, jobs = [], []
         for user, (client, seed) in enumerate(zip(self.clients[: len(seeds)], seeds, strict=True)):
             # The page's form: text, voice, recording, its transcript, speed, seed, session. Each
@@ -213,17 +215,25 @@ class GradioDriver:
                 if finished:
                     results[i].total = now - starts[i]
                     error = jobs[i].exception()
+                    failure = batch_failure(stats_line(outputs[-1])) if outputs else None
                     if error is not None:
                         results[i].error = f"{type(error).__name__}: {error}"
+                    elif failure is not None:  # failed inside a batch of several (README)
+                        results[i].error = f"failed in a batch: {failure}"
                     pending.discard(i)
                     on_done()
         return results
 
 
+def stats_line(output: object) -> object:
+    """The stats line of a ``/speak`` or ``/speak_clip`` output (audio, stats, file); None otherwise."""
+    return output[1] if isinstance(output, tuple) and len(output) == 3 else None
+
+
 def reported_samples(output: object) -> tuple[int, int]:
     """(samples so far, sample rate) from the stats line of a ``/speak`` or ``/speak_clip`` output;
     (0, 1) for an output without one."""
-    stats = output[1] if isinstance(output, tuple) and len(output) == 3 else None
+    stats = stats_line(output)
     match = STATS_SAMPLES.search(stats) if isinstance(stats, str) else None
     if match is None:
         return 0, 1

@@ -168,12 +168,17 @@ class Client:
         from gradio_client.exceptions import AppError
         from gradio_client.utils import QueueError
 
+        from cosyapp.web.ui.events import batch_failure
+
         if self._gradio is None:
             self._gradio = GradioClient(self.base + "/", download_files=False, verbose=False)
         body = self._body()
         form = (body["input"], VOICE, None, "", 1.0, body["seed"], "")
         try:
-            _, _, file = self._gradio.predict(*form, api_name="/speak_clip")
+            _, stats, file = self._gradio.predict(*form, api_name="/speak_clip")
+            failure = batch_failure(stats)  # a request that failed inside a batch of several
+            if failure is not None:
+                raise AppError(failure)
         except (AppError, QueueError) as error:  # our busy message, or Gradio's queue is full
             if "busy" in str(error).lower():
                 return True

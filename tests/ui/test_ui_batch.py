@@ -16,6 +16,8 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status
 
+from cosyapp.web.ui.events import batch_failure
+
 MAX_SEED = 2**63 - 1
 BATCH = re.compile(r"whole clip in a batch of \*\*(\d+)\*\*")
 SAMPLES = re.compile(r"\(([\d,]+) samples at 24,000 Hz\)")
@@ -105,6 +107,7 @@ def failure(result) -> tuple[str, int]:
     assert player is None and file is None, result
     match = re.fullmatch(r"\*\*Failed:\*\* (.*) · whole clip in a batch of \*\*(\d+)\*\*", stats, re.S)
     assert match, stats
+    assert batch_failure(stats) == match[1]  # what the bench and soak tools read
     return match[1], int(match[2])
 
 

@@ -80,6 +80,13 @@ def failed_stats(message: str, batch: int) -> str:
     return f"**Failed:** {message} · whole clip in a batch of **{batch}**"
 
 
+def batch_failure(stats: object) -> str | None:
+    """The message of a ``failed_stats`` line, for API clients; None for any other output."""
+    if not isinstance(stats, str) or not stats.startswith("**Failed:** "):
+        return None
+    return stats.removeprefix("**Failed:** ").rsplit(" · whole clip in a batch of", 1)[0]
+
+
 @dataclass
 class BatchSizes:
     """Sizes of the batches Gradio handed to ``speak_clip``: gauges of the engine's metrics."""
