@@ -47,8 +47,8 @@ class RequestBudget:
     limits: AudioBudget
     left: float
 
-    def cap(self, text: str, upstream_max: int) -> tuple[int, str | None]:
-        """(max tokens, note if that many are made) for the next sentence, ``text``.
+    def cap(self, text: str, index: int, upstream_max: int) -> tuple[int, str | None]:
+        """(max tokens, note if that many are made) for sentence ``index`` (from 0), ``text``.
 
         The note is None when upstream's own maximum (``upstream_max``) is the binding limit."""
         sentence = self.limits.sentence_tokens(text)
@@ -56,7 +56,7 @@ class RequestBudget:
             return upstream_max, None
         if self.left <= sentence:
             return int(self.left), request_note(self.limits.max_request_s)
-        return int(sentence), sentence_note(text, sentence / TOKENS_PER_S)
+        return int(sentence), sentence_note(index, sentence / TOKENS_PER_S)
 
     def spend(self, tokens: int) -> None:
         """Count ``tokens`` made by the request's latest sentence."""
@@ -74,10 +74,10 @@ def request_note(seconds: float) -> str:
     )
 
 
-def sentence_note(text: str, seconds: float) -> str:
-    """The note of a sentence cut at its limit of ``seconds``."""
-    start = text if len(text) <= 40 else text[:39] + "…"
+def sentence_note(index: int, seconds: float) -> str:
+    """The note of sentence ``index`` (from 0) cut at its limit of ``seconds``. ASCII: it may go in
+    a header."""
     return (
-        f'A sentence was cut short: "{start}" reached the server\'s limit of {seconds:.1f} s of audio '
-        "for a sentence of its length."
+        f"Sentence {index + 1} was cut short at the server's limit of {seconds:.1f} s of audio for a "
+        "sentence of its length."
     )

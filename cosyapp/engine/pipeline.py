@@ -225,7 +225,7 @@ class Pipeline:
         The LM request's tokens (at most the budget's cap, in the request and here) go through a
         token2wav stream."""
         min_tokens, upstream_max = self.model.lm.sampling.length_limits(len(sentence.ids))
-        max_tokens, note = budget.cap(sentence.text, upstream_max)
+        max_tokens, note = budget.cap(sentence.text, index, upstream_max)
         lm_request = LMRequest(
             request_id=f"{request.request_id}-{index}",
             prompt_embeds=await asyncio.to_thread(self._prompt_embeds, prompt, sentence.ids),

@@ -40,6 +40,9 @@ NO_INSTRUCT = (
     "Instructions select CosyVoice 2's instruct mode, which this server does not offer yet (it comes "
     "with a later release); send the request without instructions."
 )
+# Set on a whole response whose speech the audio budget cut (engine/budget.py); a streamed one says
+# it in the SSE done event's "note", and a plain byte stream cannot say it once its headers are sent.
+NOTE_HEADER = "X-Audio-Note"
 # Proxies (e.g. the one in front of a Space) must pass chunks on, not buffer the response.
 STREAM_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
@@ -96,11 +99,12 @@ def speech_route(service: Service):
         chunks = pipeline.stream(request)
         try:
             if not request.streaming:
-                samples = await until_disconnected(http, _whole(chunks))
+                samples, notes = await until_disconnected(http, _whole(chunks))
                 data = await asyncio.to_thread(
                     encode_clip, samples, body.response_format, pipeline.sample_rate
                 )
-                return Response(data, media_type=MEDIA_TYPES[body.response_format])
+                headers = {NOTE_HEADER: " ".join(notes)} if notes else None
+                return Response(data, media_type=MEDIA_TYPES[body.response_format], headers=headers)
             # A full server raises before the first chunk, while a status can still be sent.
             first = await until_disconnected(http, anext(chunks, None))
         except ClientGone:
@@ -116,12 +120,14 @@ def speech_route(service: Service):
     return speech
 
 
-async def _whole(chunks: AsyncGenerator[AudioChunk, None]) -> np.ndarray:
+async def _whole(chunks: AsyncGenerator[AudioChunk, None]) -> tuple[np.ndarray, list[str]]:
     try:
-        pieces = [chunk.samples async for chunk in chunks]
+        got = [chunk async for chunk in chunks]
     finally:
         await chunks.aclose()
-    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    pieces = [chunk.samples for chunk in got]
+    notes = [chunk.note for chunk in got if chunk.note]
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32), notes
 
 
 async def until_disconnected(http: Request, work: Awaitable[T]) -> T:
@@ -157,11 +163,14 @@ class AudioBody:
         self.chunks = chunks
         self.first = first
         self.encoder = encoder
+        self.notes: list[str] = []  # the budget's notes (``AudioChunk.note``), as they come
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self.first is not None:
+            self._note(self.first)
             yield await self._encode(self.encoder.push, self.first.samples)
         async for chunk in self.chunks:
+            self._note(chunk)
             data = await self._encode(self.encoder.push, chunk.samples)
             if data:
                 yield data
@@ -172,16 +181,21 @@ class AudioBody:
             return step(*args)
         return await asyncio.to_thread(step, *args)
 
+    def _note(self, chunk: AudioChunk) -> None:
+        if chunk.note:
+            self.notes.append(chunk.note)
+
     async def aclose(self) -> None:
         await self.chunks.aclose()
 
 
 async def sse_events(audio: AudioBody) -> AsyncIterator[bytes]:
-    """OpenAI's speech events: a ``speech.audio.delta`` per piece of ``audio``, then ``speech.audio.done``."""
+    """OpenAI's speech events: a ``speech.audio.delta`` per piece of ``audio``, then ``speech.audio.done``
+    (with ``note`` when the audio budget cut the speech)."""
     async for data in audio:
         if data:
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-    yield _event({"type": "speech.audio.done"})
+    yield _event({"type": "speech.audio.done"} | ({"note": " ".join(audio.notes)} if audio.notes else {}))
 
 
 def _event(payload: dict) -> bytes:
