@@ -119,8 +119,21 @@ def test_bad_modes_and_instructions_get_a_clear_message(mode, instruction, messa
     assert caught.value.param == ("mode" if mode == "clone" else "instructions")
 
 
-def test_good_modes_pass(inputs):
+@pytest.mark.parametrize(
+    ("mode", "source", "message"),
+    [
+        (VOICE_CONVERSION, (), "Voice conversion needs the speech to convert: upload or record it."),
+        (ZERO_SHOT, (1, 2), "Speech to convert is for voice conversion (mode vc), not for zero_shot."),
+    ],
+)
+def test_source_speech_belongs_to_voice_conversion_only(mode, source, message):
+    with pytest.raises(ParamError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        check_mode(mode, None, source)
+    assert caught.value.param == "file"
+
+
+def test_good_modes_pass():
     check_mode(ZERO_SHOT, None)
     check_mode(CROSS_LINGUAL, "")
     check_mode(INSTRUCT, "x" * MAX_INSTRUCTION_CHARS)
-    check_mode(VOICE_CONVERSION, None)
+    check_mode(VOICE_CONVERSION, None, (1, 2, 3))

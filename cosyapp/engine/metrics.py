@@ -6,7 +6,7 @@ reader (the live panel, /metrics) never waits on GPU work.
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +18,7 @@ class RequestRecord:
     """Timeline of one synthesis request (times from ``time.monotonic``)."""
 
     request_id: str
+    mode: str = "zero_shot"  # frontend/modes.py
     started: float = field(default_factory=time.monotonic)
     first_audio: float | None = None
     finished: float | None = None
@@ -62,10 +63,11 @@ class Metrics:
         self._tokens: deque[tuple[float, int]] = deque()  # (time, speech tokens decoded)
         self._active: dict[str, RequestRecord] = {}
         self.totals = {"requests": 0, "done": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.by_mode: Counter[tuple[str, str]] = Counter()  # (mode, outcome) of finished requests
         self.gauges: dict[str, Callable[[], float]] = {}
 
-    def begin(self, request_id: str) -> RequestRecord:
-        record = RequestRecord(request_id, started=self.clock())
+    def begin(self, request_id: str, mode: str = "zero_shot") -> RequestRecord:
+        record = RequestRecord(request_id, mode, started=self.clock())
         with self._lock:
             self._active[request_id] = record
             self.totals["requests"] += 1
@@ -95,6 +97,7 @@ class Metrics:
             self._active.pop(record.request_id, None)
             self._finished.append(record)
             self.totals[status] += 1
+            self.by_mode[record.mode, status] += 1
             self._trim(record.finished)
 
     def _trim(self, now: float) -> None:
@@ -131,15 +134,20 @@ class Metrics:
     def prometheus(self) -> str:
         """The snapshot in Prometheus text exposition format (``cosyapp_`` prefix).
 
-        Requests started are one counter, finished or refused ones another labelled by outcome;
-        everything else is a gauge.
+        Requests started are one counter, finished or refused ones another labelled by outcome,
+        finished ones a third labelled by mode and outcome; everything else is a gauge.
         """
         snapshot = self.snapshot()
+        with self._lock:
+            by_mode = sorted(self.by_mode.items())
         lines = ["# TYPE cosyapp_requests_started_total counter"]
         lines.append(f"cosyapp_requests_started_total {snapshot.pop('requests')}")
         lines.append("# TYPE cosyapp_requests_total counter")
         for outcome in [key for key in self.totals if key != "requests"]:
             lines.append(f'cosyapp_requests_total{{outcome="{outcome}"}} {snapshot.pop(outcome)}')
+        lines.append("# TYPE cosyapp_mode_requests_total counter")
+        for (mode, outcome), count in by_mode:
+            lines.append(f'cosyapp_mode_requests_total{{mode="{mode}",outcome="{outcome}"}} {count}')
         for name, value in snapshot.items():
             if value is not None:
                 lines += [f"# TYPE cosyapp_{name} gauge", f"cosyapp_{name} {float(value):.6g}"]

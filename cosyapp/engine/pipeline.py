@@ -3,6 +3,10 @@
     request -> text frontend (sentences, ids) -> per sentence: prompt embeddings -> LM engine
     (batched across all requests) -> token2wav worker (batched across all streams) -> audio chunks
 
+Every CosyVoice 2 mode takes this path (``frontend/modes.py``): the LM requests of zero-shot,
+cross-lingual and instruct2 differ only in their prompt, and voice conversion feeds the source
+speech's tokens to token2wav instead of an LM request's.
+
 Each request has an audio budget (``budget.AudioBudget``; the server's from its options through
 ``build.build_pipeline``, none by default): a sentence that reaches its limit is cut
 and the request goes on; a request that reaches its own ends. Either way the stream then yields an
@@ -38,6 +42,7 @@ from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for cal
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.worker import Token2Wav
+from cosyapp.frontend.modes import INSTRUCT, VOICE_CONVERSION, instruction_prompt, lm_prompt
 from cosyapp.frontend.text import Sentence, TextFrontend
 from cosyapp.models.cosyvoice2 import CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
@@ -185,19 +190,19 @@ class Pipeline:
         reached. Sentences after the first block are prepared while the first ones are spoken.
         """
         request.validate(self.text.max_chars)  # cheap rules first, before the text is prepared
-        sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
+        sentences, prompt, seen = await self._prepare(request)
         seed = secrets.randbits(63) if request.seed is None else request.seed
         budget = self.budget.request()
         async with contextlib.aclosing(sentences):
             await self.start()
             async with self.admission.slot(request.client):
-                record = self.metrics.begin(request.request_id)
+                record = self.metrics.begin(request.request_id, request.mode)
                 status = "failed"
                 try:
                     index = 0
                     async for sentence in sentences:
                         async for chunk in self._sentence_audio(
-                            request, prompt, sentence, index, seed, record, budget
+                            request, prompt, seen, sentence, index, seed, record, budget
                         ):
                             yield chunk
                         if budget.left <= 0:
@@ -210,10 +215,25 @@ class Pipeline:
                 finally:
                     self.metrics.end(record, status)
 
+    async def _prepare(
+        self, request: SynthesisRequest
+    ) -> tuple[AsyncGenerator[Sentence, None], PromptInputs, PromptInputs | None]:
+        """The request's sentences, its voice's prompt (the flow's) and what the LM sees of it in the
+        request's mode (``modes.lm_prompt``; None: voice conversion, no LM), prepared off the loop.
+        Voice conversion has one sentence, of no text: the speech to convert."""
+        if request.mode == VOICE_CONVERSION:
+            return _given([Sentence("", ())]), request.voice.features.prompt([]), None
+        instruction = ()
+        if request.mode == INSTRUCT:
+            instruction = await self.text_workers.tokenize(instruction_prompt(request.instruction))
+        sentences, prompt = await self.text_workers.prepare(request.text, request.voice)
+        return sentences, prompt, lm_prompt(request.mode, prompt, instruction)
+
     async def _sentence_audio(
         self,
         request: SynthesisRequest,
         prompt: PromptInputs,
+        seen: PromptInputs | None,
         sentence: Sentence,
         index: int,
         seed: int,
@@ -222,24 +242,27 @@ class Pipeline:
     ) -> AsyncGenerator[AudioChunk, None]:
         """One sentence's chunks, then a note chunk if it reached its limit; spends the budget.
 
-        The LM request's tokens (at most the budget's cap, in the request and here) go through a
-        token2wav stream."""
-        min_tokens, upstream_max = self.model.lm.sampling.length_limits(len(sentence.ids))
-        max_tokens, note = budget.cap(sentence.text, index, upstream_max)
-        lm_request = LMRequest(
-            request_id=f"{request.request_id}-{index}",
-            prompt_embeds=await asyncio.to_thread(self._prompt_embeds, prompt, sentence.ids),
-            min_tokens=min(min_tokens, max_tokens),
-            max_tokens=max_tokens,
-            seed=sentence_seed(seed, index),
-        )
+        The LM request's tokens (at most the budget's cap, in the request and here), or in voice
+        conversion (``seen`` None) the source's tokens, go through a token2wav stream in ``prompt``."""
+        if seen is None:  # at most 30 s of source speech: no LM, nothing to cap
+            tokens, max_tokens, note = _given([list(request.source_tokens)]), len(request.source_tokens), None
+            counted = None
+        else:
+            min_tokens, upstream_max = self.model.lm.sampling.length_limits(len(sentence.ids))
+            max_tokens, note = budget.cap(sentence.text, upstream_max)
+            lm_request = LMRequest(
+                request_id=f"{request.request_id}-{index}",
+                prompt_embeds=await asyncio.to_thread(self._prompt_embeds, seen, sentence.ids),
+                min_tokens=min(min_tokens, max_tokens),
+                max_tokens=max_tokens,
+                seed=sentence_seed(seed, index),
+            )
+            tokens, counted = self.lm.generate(lm_request), functools.partial(self.metrics.tokens, record)
         stream = self.token2wav.open_stream(
             prompt, speed=request.speed, streaming=request.streaming, seed=sentence_seed(seed, index)
         )
         cap = TokenCap(max_tokens)
-        audio = stream.run(
-            cap.cut(self.lm.generate(lm_request)), functools.partial(self.metrics.tokens, record)
-        )
+        audio = stream.run(cap.cut(tokens), counted)
         # The one place a sentence ends early: closing its audio ends its token2wav stream, which
         # drops its queued work and closes (aborts) its LM request.
         async with contextlib.aclosing(audio):
@@ -266,7 +289,8 @@ class Pipeline:
         return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
 
     def _prompt_embeds(self, prompt: PromptInputs, ids: tuple[int, ...]) -> torch.Tensor:
-        """The LM's prompt embeddings (L0, D) float32 on the CPU; runs in a worker thread."""
+        """The LM's prompt embeddings (L0, D) float32 on the CPU, from what the LM sees of the
+        voice (``modes.lm_prompt``); runs in a worker thread."""
         with torch.inference_mode():
             embeds = self.model.lm.prompt_embeds(
                 prompt.text_ids, torch.tensor(ids, dtype=torch.long), prompt.speech_tokens
@@ -292,6 +316,12 @@ class TokenCap:
                     yield new
                 if self.made >= self.limit:
                     return
+
+
+async def _given(items: list) -> AsyncGenerator:
+    """``items`` as an async iterator (what is already known, where the Pipeline reads a stream)."""
+    for item in items:
+        yield item
 
 
 def _gpu_memory_gb() -> float:

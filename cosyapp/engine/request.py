@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cosyapp.errors import ParamError, TextError
+from cosyapp.frontend.modes import VOICE_CONVERSION, ZERO_SHOT, check_mode
 from cosyapp.frontend.text import check_text
 
 if TYPE_CHECKING:  # the voice library needs torch; a request only carries its voice
@@ -58,6 +59,10 @@ class SynthesisRequest:
 
     ``client`` names who asks (a session, an API key, an address) for fair admission; None counts
     the request as a client of its own.
+
+    ``mode`` is one of CosyVoice 2's modes (``frontend/modes.py``): ``instruction`` is for instruct2;
+    voice conversion (``vc``) speaks ``source_tokens`` (the speech to convert) in ``voice`` and
+    takes no text.
     """
 
     text: str
@@ -67,8 +72,16 @@ class SynthesisRequest:
     streaming: bool = True
     client: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    mode: str = ZERO_SHOT
+    instruction: str | None = None
+    source_tokens: tuple[int, ...] = ()
 
     def validate(self, max_chars: int) -> None:
-        """Raise the ``UserError`` of the first rule this request breaks (``check_request``), with
-        ``max_chars`` the longest text the caller accepts."""
-        check_request(self.text, self.speed, self.seed, max_chars)
+        """Raise the ``UserError`` of the first rule this request breaks (``check_mode``, then
+        ``check_request``, or for voice conversion ``check_options``), with ``max_chars`` the longest
+        text the caller accepts."""
+        check_mode(self.mode, self.instruction, self.source_tokens)
+        if self.mode == VOICE_CONVERSION:
+            check_options(self.speed, self.seed)
+        else:
+            check_request(self.text, self.speed, self.seed, max_chars)

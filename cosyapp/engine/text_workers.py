@@ -70,6 +70,11 @@ class TextWorkers:
         first, prompt = await self._run(lambda: (_first_sentences(blocks), voice.prompt(self._frontend)))
         return self._sentences(first, blocks), prompt
 
+    async def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids as written (no normalisation), in the text thread, the tokenizer's one
+        user."""
+        return await self._run(self._frontend.tokenize, text)
+
     async def _sentences(
         self, first: list[Sentence], blocks: Iterator[list[Sentence]]
     ) -> AsyncGenerator[Sentence, None]:

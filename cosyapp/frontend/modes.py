@@ -34,12 +34,17 @@ MODES = (ZERO_SHOT, CROSS_LINGUAL, INSTRUCT, VOICE_CONVERSION)
 MAX_INSTRUCTION_CHARS = 200
 
 
-def check_mode(mode: object, instruction: object) -> None:
-    """Raise ``ParamError`` for an unknown ``mode``, or an ``instruction`` that does not fit it: given
-    outside instruct2, or, in instruct2, not a string, empty, longer than MAX_INSTRUCTION_CHARS, or
-    holding ``<|endofprompt|>`` (the server adds the one the model expects)."""
+def check_mode(mode: object, instruction: object, source_tokens: object = None) -> None:
+    """Raise ``ParamError`` for an unknown ``mode``, source speech tokens missing in voice conversion
+    or given in another mode, or an ``instruction`` that does not fit ``mode``: given outside
+    instruct2, or, in instruct2, not a string, empty, longer than MAX_INSTRUCTION_CHARS, or holding
+    ``<|endofprompt|>`` (the server adds the one the model expects)."""
     if mode not in MODES:
         raise ParamError(f"Unknown mode {mode!r}; use one of: {', '.join(MODES)}.", "mode")
+    if mode == VOICE_CONVERSION and not source_tokens:
+        raise ParamError("Voice conversion needs the speech to convert: upload or record it.", "file")
+    if mode != VOICE_CONVERSION and source_tokens:
+        raise ParamError(f"Speech to convert is for voice conversion (mode vc), not for {mode}.", "file")
     if mode != INSTRUCT:
         if instruction:
             raise ParamError(f"Instructions apply to the instruct2 mode only, not to {mode}.", "instructions")
