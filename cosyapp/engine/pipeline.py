@@ -249,7 +249,7 @@ class Pipeline:
             counted = None
         else:
             min_tokens, upstream_max = self.model.lm.sampling.length_limits(len(sentence.ids))
-            max_tokens, note = budget.cap(sentence.text, upstream_max)
+            max_tokens, note = budget.cap(sentence.text, index, upstream_max)
             lm_request = LMRequest(
                 request_id=f"{request.request_id}-{index}",
                 prompt_embeds=await asyncio.to_thread(self._prompt_embeds, seen, sentence.ids),
