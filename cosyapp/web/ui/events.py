@@ -207,8 +207,13 @@ class Handlers:
                 self.request, SpeechForm(**values), True, client_address(http), http.session_hash
             )
             stream = self.pipeline.stream(request)
+            notes: list[str] = []  # the audio budget's (engine/budget.py): a toast now, and in the stats
             try:
                 async for chunk in stream:
+                    if chunk.note:
+                        notes.append(chunk.note)
+                        gr.Warning(chunk.note)
+                        continue
                     ttfa = ttfa or time.monotonic() - started
                     pieces.append(chunk.samples)
                     samples = sum(len(p) for p in pieces)
@@ -218,7 +223,8 @@ class Handlers:
                 await stream.aclose()
         clip = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         path = await asyncio.to_thread(self.clips.write, clip, rate)
-        yield gr.skip(), request_stats(len(clip), rate, time.monotonic() - started, ttfa), str(path)
+        stats = request_stats(len(clip), rate, time.monotonic() - started, ttfa)
+        yield gr.skip(), " · ".join([stats, *notes]), str(path)
 
     async def speak_clip(self, http: gr.Request, **values: list) -> list[list]:
         """Gradio batch function: whole clips for every waiting request, synthesised together.
