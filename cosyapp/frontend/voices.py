@@ -3,7 +3,8 @@
 Three sources: built-in voices shipped in ``assets/voices`` (audio + transcript + licence note),
 ready-made speakers from the model folder's ``spk2info.pt``, and voices users save from their own
 recordings. Features of a recording are computed once and cached on disk by content hash; user voices
-survive restarts and are private to the session that saved them unless saved as shared.
+survive restarts and are private to the session that saved them unless saved as shared. A user
+voice's folder keeps its ``meta.json`` and the recording it was made from (``prompt.wav``, 16-bit).
 """
 
 import hashlib
@@ -11,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import unicodedata
 import uuid
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from cosyapp.codec import wav
 from cosyapp.errors import VoiceError, VoiceNotFoundError
 from cosyapp.frontend.features import VoiceFeatures
 from cosyapp.frontend.text import remove_control_characters
@@ -41,6 +44,7 @@ MAX_PROMPT_TEXT_CHARS = 500
 # voices), so only a transcript of another recording, or none, falls outside.
 MAX_SYLLABLES_PER_S = 12.0
 MIN_SYLLABLES_PER_S = 0.2
+PROMPT_FILE = "prompt.wav"
 
 
 class PromptTextError(VoiceError):
@@ -229,9 +233,16 @@ class VoiceLibrary:
         return Voice(_user_info(meta), features, prompt_text=meta["prompt_text"])
 
     def save(
-        self, name: str, audio: "AudioSource", prompt_text: str, session: str | None, shared: bool = False
+        self,
+        name: str,
+        audio: "AudioSource",
+        prompt_text: str,
+        session: str | None,
+        shared: bool = False,
+        language: str = "",
     ) -> VoiceInfo:
-        """Save a user voice from a recording and its transcript; returns its listing.
+        """Save a user voice from a recording and its transcript (in ``language``, when known, e.g.
+        as the speech recogniser heard it); returns its listing.
 
         The voice gets a random id; its folder is named after the id, never after ``name``.
         Raises ``VoiceError`` for an unusable recording, ``PromptTextError`` for a missing or
@@ -250,9 +261,11 @@ class VoiceLibrary:
             "owner": session,  # a shared voice stays its saver's to delete
             "shared": shared,
             "features": audio_hash(recording),
+            "language": language,
         }
         folder = self.user_dir / meta["id"]
         folder.mkdir()
+        (folder / PROMPT_FILE).write_bytes(wav(recording.samples, recording.sample_rate))
         tmp = folder / "meta.json.tmp"
         tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
         tmp.replace(folder / "meta.json")
@@ -265,8 +278,26 @@ class VoiceLibrary:
         if meta is None or not (meta["shared"] if session is None else meta["owner"] == session):
             raise VoiceNotFoundError(voice_id)
         folder = self.user_dir / voice_id
-        (folder / "meta.json").unlink()
-        folder.rmdir()
+        (folder / "meta.json").unlink()  # unlisted at once, whatever happens to the rest
+        shutil.rmtree(folder)
+
+    def recording(self, voice_id: str, session: str | None = None) -> "PromptAudio":
+        """The recording a voice was made from, as ``session`` sees it: a saved voice's prompt as it
+        was used (prepared, 16-bit), a built-in voice's file. Raises ``VoiceNotFoundError`` for an
+        unknown id and ``VoiceError`` for a model speaker, which comes without one."""
+        from cosyapp.frontend.audio import load_prompt_audio
+
+        if voice_id in self._builtin:
+            return load_prompt_audio(self._builtin[voice_id][1])
+        if voice_id in self._model:
+            raise VoiceError(f"Voice {voice_id!r} comes from the model folder without its recording.")
+        meta = self._user_meta(voice_id)
+        if meta is None or not (meta["shared"] or meta["owner"] == session):
+            raise VoiceNotFoundError(voice_id)
+        path = self.user_dir / voice_id / PROMPT_FILE
+        if not path.is_file():
+            raise VoiceError(f"Voice {voice_id!r} was saved before recordings were kept with voices.")
+        return load_prompt_audio(path)
 
     def _user_meta(self, voice_id: str) -> dict | None:
         if not re.fullmatch(r"user-[0-9a-f]{12}", voice_id):
@@ -282,7 +313,14 @@ class VoiceLibrary:
 
 def _user_info(meta: dict) -> VoiceInfo:
     note = "shared voice" if meta["shared"] else "your voice (only you see it)"
-    return VoiceInfo(id=meta["id"], name=meta["name"], kind="user", note=note, shared=meta["shared"])
+    return VoiceInfo(
+        id=meta["id"],
+        name=meta["name"],
+        kind="user",
+        language=meta.get("language", ""),  # voices saved before languages were kept have none
+        note=note,
+        shared=meta["shared"],
+    )
 
 
 def _read_builtin(assets_dir: Path) -> dict[str, tuple[VoiceInfo, Path, str]]:

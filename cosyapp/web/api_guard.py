@@ -1,4 +1,5 @@
-"""The gate in front of the HTTP API (``/v1/*``): the API key, then a cap on the request body.
+"""The gate in front of the HTTP API (``/v1/*``): the API key, then a cap on the request body (a
+larger one, the upload limit, on the paths that take a recording).
 
 It runs before FastAPI reads the body, so a client without the key, or with a body far larger than
 any valid request, is answered at once without the server holding that body. Every other path
@@ -25,14 +26,27 @@ def max_body_bytes(max_text_chars: int) -> int:
     return BYTES_PER_TEXT_CHAR * max_text_chars + OTHER_FIELDS_BYTES
 
 
+def upload_body_bytes(max_upload_mb: float) -> int:
+    """The largest multipart body carrying a recording of at most ``max_upload_mb`` MiB."""
+    return int(max_upload_mb * 2**20) + OTHER_FIELDS_BYTES
+
+
 class ApiGuard:
     """ASGI middleware for ``/v1/*``: 401 without the right ``Authorization: Bearer <api_key>`` (when
     ``api_key`` is set; WebSocket handshakes too), 413 for a body over ``max_body`` bytes."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body: int,
+        upload_paths: tuple[str, ...] = (),
+        max_upload: int = 0,
+    ):
         self.app = app
         self.api_key = api_key
         self.max_body = max_body
+        self.upload_paths, self.max_upload = upload_paths, max_upload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(API_PREFIX):
@@ -44,11 +58,12 @@ class ApiGuard:
             await (self.app if refusal is None else refusal)(scope, receive, send)
             return
         length = headers.get("content-length")
-        if refusal is None and length is not None and (not length.isdigit() or int(length) > self.max_body):
-            refusal = self._too_large()
+        limit = self.max_upload if scope["path"] in self.upload_paths else self.max_body
+        if refusal is None and length is not None and (not length.isdigit() or int(length) > limit):
+            refusal = self._too_large(limit)
         if refusal is None and length is None:
             # A chunked body announces no length: read it here, up to the limit, and hand it on.
-            body, refusal = await self._read_body(receive)
+            body, refusal = await self._read_body(receive, limit)
             receive = _replay(body, receive)
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -67,11 +82,11 @@ class ApiGuard:
             return error_response(401, "Invalid API key.", code="invalid_api_key", headers=challenge)
         return None
 
-    def _too_large(self) -> JSONResponse:
-        message = f"The request body is larger than {self.max_body:,} bytes, more than any valid request."
+    def _too_large(self, limit: int) -> JSONResponse:
+        message = f"The request body is larger than {limit:,} bytes, more than any valid request."
         return error_response(413, message, code="request_too_large")
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes, JSONResponse | None]:
+    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, JSONResponse | None]:
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -79,8 +94,8 @@ class ApiGuard:
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_body:
-                return b"", self._too_large()
+            if size > limit:
+                return b"", self._too_large(limit)
             more = message.get("more_body", False)
         return b"".join(chunks), None
 

@@ -5,6 +5,8 @@
     POST /v1/audio/speech   OpenAI-compatible speech in every OpenAI format, whole or streamed (speech.py)
     GET  /v1/audio/voices   the voices visible without a session (built-in, model, shared)
     DELETE /v1/audio/voices/{id}   delete a shared saved voice (built-in and model voices stay)
+    POST /v1/audio/voices, GET /v1/audio/voices/{id}[/audio], POST /v1/audio/transcriptions
+                            voices from uploads and their transcription (voices_api.py)
     WS   /v1/audio/speech/stream   text deltas in, each sentence's audio out as it is made (ws.py)
 
 In front of the routes, outermost first: ``RequestIds`` (X-Request-Id, one log line per request),
@@ -34,12 +36,13 @@ from cosyapp.engine.build import choose_engine
 from cosyapp.errors import VoiceError
 from cosyapp.service import Service
 from cosyapp.web.api_errors import HANDLERS, ApiRoute
-from cosyapp.web.api_guard import ApiGuard, max_body_bytes
+from cosyapp.web.api_guard import ApiGuard, max_body_bytes, upload_body_bytes
 from cosyapp.web.cors import ApiCors
 from cosyapp.web.request_ids import RequestIds
 from cosyapp.web.route_guard import RouteGuard
 from cosyapp.web.speech import speech_route
 from cosyapp.web.ui import build_demo, launch_options, mount_options
+from cosyapp.web.voices_api import UPLOAD_PATHS, voice_routes
 from cosyapp.web.ws import speech_stream_route
 
 log = logging.getLogger(__name__)
@@ -169,13 +172,20 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         ApiRoute("/v1/audio/speech", speech_route(service), methods=["POST"]),
         ApiRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
         ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
+        *voice_routes(service),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_route(service)),
     ]
     settings = service.settings
     middleware = [
         Middleware(RequestIds),
         *([Middleware(ApiCors, origins=settings.cors_origins)] if settings.cors_origins else []),
-        Middleware(ApiGuard, api_key=settings.api_key, max_body=max_body_bytes(settings.max_text_chars)),
+        Middleware(
+            ApiGuard,
+            api_key=settings.api_key,
+            max_body=max_body_bytes(settings.max_text_chars),
+            upload_paths=UPLOAD_PATHS,
+            max_upload=upload_body_bytes(settings.max_upload_mb),
+        ),
         Middleware(RouteGuard, routes=routes),
     ]
     return {"lifespan": lifespan, "routes": routes, "exception_handlers": HANDLERS, "middleware": middleware}
