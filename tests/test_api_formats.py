@@ -163,14 +163,37 @@ def test_sse_deltas_of_a_compressed_format_form_one_file(url, streamed_length):
     assert_length(decoded_samples(audio, "opus"), streamed_length, "opus", True)
 
 
-def test_instructions_are_a_clear_400_until_instruct_mode_exists(sdk):
+def test_instructions_select_instruct2_and_a_bad_one_is_a_clear_400(sdk):
+    audio = sdk.audio.speech.create(
+        model="gpt-4o-mini-tts",
+        voice=VOICE,
+        input=SHORT,
+        instructions="用四川话说这句话",
+        response_format="pcm",
+    )
+    assert len(audio.content) > 0 and len(audio.content) % 2 == 0
     with pytest.raises(BadRequestError) as refused:
-        sdk.audio.speech.create(
-            model="gpt-4o-mini-tts", voice=VOICE, input=SHORT, instructions="Speak softly."
-        )
+        sdk.audio.speech.create(model="gpt-4o-mini-tts", voice=VOICE, input=SHORT, instructions="x" * 201)
     error = refused.value.body
     assert refused.value.status_code == 400 and error["param"] == "instructions"
-    assert error["message"].startswith("Instructions select CosyVoice 2's instruct mode, which this server")
+    assert error["message"] == "The instruction is 201 characters long; the limit is 200."
+
+
+def test_the_mode_extension_selects_cross_lingual_and_refuses_others(url):
+    body = {"input": SHORT, "voice": VOICE, "response_format": "pcm", "seed": 1}
+    spoken = httpx.post(f"{url}/v1/audio/speech", json={**body, "mode": "cross_lingual"})
+    assert spoken.status_code == 200 and len(spoken.content) > 0
+    for extra, param, message in [
+        ({"mode": "vc"}, "mode", "Unknown mode 'vc'; use one of: zero_shot, cross_lingual, instruct2."),
+        (
+            {"mode": "cross_lingual", "instructions": "Speak softly."},
+            "instructions",
+            "Instructions apply to the instruct2 mode only, not to cross_lingual.",
+        ),
+    ]:
+        refused = httpx.post(f"{url}/v1/audio/speech", json={**body, **extra})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and (error["param"], error["message"]) == (param, message)
 
 
 def test_unknown_formats_are_refused_naming_the_supported_ones(url):

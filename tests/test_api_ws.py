@@ -149,7 +149,11 @@ START = json.dumps({"type": "start", "voice": VOICE})
         ([json.dumps({"type": "start", "voice": "nobody"})], 1008, "Voice 'nobody' not found"),
         ([json.dumps({"type": "start", "voice": VOICE, "speed": 9.0})], 1008, "Speed must be between"),
         ([json.dumps({"type": "start", "voice": VOICE, "temperature": 1})], 1008, "Extra inputs"),
-        ([json.dumps({"type": "start", "voice": VOICE, "instructions": "Whisper."})], 1008, "instruct mode"),
+        (
+            [json.dumps({"type": "start", "voice": VOICE, "instructions": "x" * 201})],
+            1008,
+            "the limit is 200",
+        ),
         ([START, json.dumps({"type": "shout"})], 1008, "Unknown message 'shout'"),
         ([START, json.dumps({"type": "text", "text": "x" * 6000})], 1009, "at most 5000 characters"),
     ],

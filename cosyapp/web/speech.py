@@ -28,6 +28,7 @@ from cosyapp.codec import FORMATS, MEDIA_TYPES, AudioEncoder, encode_clip
 from cosyapp.engine.pipeline import AudioChunk
 from cosyapp.engine.request import SynthesisRequest, check_request
 from cosyapp.errors import ParamError
+from cosyapp.frontend.modes import CROSS_LINGUAL, INSTRUCT, ZERO_SHOT, check_mode
 from cosyapp.service import Service
 from cosyapp.web.clients import client_key
 from cosyapp.web.request_ids import request_id_of
@@ -36,10 +37,8 @@ log = logging.getLogger(__name__)
 
 STREAM_FORMATS = ("audio", "sse")
 SSE_MEDIA_TYPE = "text/event-stream"
-NO_INSTRUCT = (
-    "Instructions select CosyVoice 2's instruct mode, which this server does not offer yet (it comes "
-    "with a later release); send the request without instructions."
-)
+# The modes this route speaks in: OpenAI's `instructions` select instruct2, `mode` the others.
+SPEECH_MODES = (ZERO_SHOT, CROSS_LINGUAL, INSTRUCT)
 # Set on a whole response whose speech the audio budget cut (engine/budget.py); a streamed one says
 # it in the SSE done event's "note", and a plain byte stream cannot say it once its headers are sent.
 NOTE_HEADER = "X-Audio-Note"
@@ -59,6 +58,7 @@ class SpeechRequest(BaseModel):
     input: str
     voice: str
     instructions: str | None = None
+    mode: str | None = None  # not OpenAI's: "cross_lingual" (or "zero_shot", the default)
     speed: float = 1.0
     response_format: str = "wav"
     stream_format: str = "audio"
@@ -67,7 +67,7 @@ class SpeechRequest(BaseModel):
 
     def check(self, max_chars: int) -> None:
         """Raise the ``UserError`` of the first field that cannot be served (the request rules,
-        then the format fields and instructions)."""
+        then the format fields, then the mode and instructions)."""
         check_request(self.input, self.speed, self.seed, max_chars)
         for name, value, allowed in [
             ("response_format", self.response_format, FORMATS),
@@ -75,8 +75,15 @@ class SpeechRequest(BaseModel):
         ]:
             if value not in allowed:
                 raise ParamError(f"Unsupported {name} {value!r}; use one of: {', '.join(allowed)}.", name)
-        if self.instructions:  # an empty string asks for nothing
-            raise ParamError(NO_INSTRUCT, "instructions")
+        if self.synthesis_mode not in SPEECH_MODES:
+            raise ParamError(f"Unknown mode {self.mode!r}; use one of: {', '.join(SPEECH_MODES)}.", "mode")
+        check_mode(self.synthesis_mode, self.instructions)
+
+    @property
+    def synthesis_mode(self) -> str:
+        """``mode`` if given, else instruct2 when there are instructions (an empty string asks for
+        nothing), else zero-shot."""
+        return self.mode or (INSTRUCT if self.instructions else ZERO_SHOT)
 
 
 class ClientGone(Exception):
@@ -94,7 +101,15 @@ def speech_route(service: Service):
         streaming = body.stream or "stream_format" in body.model_fields_set
         client = client_key(None, http.client.host if http.client else None)
         request = SynthesisRequest(
-            body.input, voice, body.speed, body.seed, streaming, client, request_id_of(http)
+            body.input,
+            voice,
+            body.speed,
+            body.seed,
+            streaming,
+            client,
+            request_id_of(http),
+            mode=body.synthesis_mode,
+            instruction=body.instructions or None,
         )
         chunks = pipeline.stream(request)
         try:

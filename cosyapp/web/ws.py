@@ -32,13 +32,13 @@ from cosyapp.codec import FORMATS, MEDIA_TYPES, AudioEncoder
 from cosyapp.engine.pipeline import sentence_seed
 from cosyapp.engine.request import SynthesisRequest, check_options
 from cosyapp.errors import BusyError, ParamError, UserError
+from cosyapp.frontend.modes import INSTRUCT, ZERO_SHOT, check_mode
 from cosyapp.frontend.text import has_nothing_to_read
 from cosyapp.service import Service
 from cosyapp.web.api_errors import INTERNAL_ERROR
 from cosyapp.web.api_guard import max_body_bytes
 from cosyapp.web.clients import client_key
 from cosyapp.web.request_ids import request_id_of
-from cosyapp.web.speech import NO_INSTRUCT
 from cosyapp.web.text_stream import SentenceCutter
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class SpeechSession:
             supported = ", ".join(FORMATS)
             message = f"Unsupported response_format {start.response_format!r}; use one of: {supported}."
             raise ParamError(message, "response_format")
-        if start.instructions:
-            raise ParamError(NO_INSTRUCT, "instructions")
+        if start.instructions:  # OpenAI's instructions select instruct2; empty asks for nothing
+            check_mode(INSTRUCT, start.instructions)
         self.voice = await asyncio.to_thread(self.service.voices.get, start.voice)
         await self.websocket.send_json(
             {
@@ -240,7 +240,10 @@ class SpeechSession:
         client = client_key(None, self.websocket.client.host if self.websocket.client else None)
         seed = None if start.seed is None else sentence_seed(start.seed, index)
         request_id = f"{self.request_id}-{index}"
-        request = SynthesisRequest(text, self.voice, start.speed, seed, True, client, request_id)
+        mode = INSTRUCT if start.instructions else ZERO_SHOT
+        request = SynthesisRequest(
+            text, self.voice, start.speed, seed, True, client, request_id, mode, start.instructions or None
+        )
         audio: asyncio.Queue = asyncio.Queue()
         making = asyncio.create_task(self._make(request, audio))
         made.append(making)
