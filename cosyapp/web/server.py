@@ -7,6 +7,7 @@
     DELETE /v1/audio/voices/{id}   delete a shared saved voice (built-in and model voices stay)
     POST /v1/audio/voices, GET /v1/audio/voices/{id}[/audio], POST /v1/audio/transcriptions
                             voices from uploads and their transcription (voices_api.py)
+    POST /v1/audio/conversions   voice conversion: a recording's speech in a voice (conversion.py)
     WS   /v1/audio/speech/stream   text deltas in, each sentence's audio out as it is made (ws.py)
 
 In front of the routes, outermost first: ``RequestIds`` (X-Request-Id, one log line per request),
@@ -37,6 +38,7 @@ from cosyapp.errors import VoiceError
 from cosyapp.service import Service
 from cosyapp.web.api_errors import HANDLERS, ApiRoute
 from cosyapp.web.api_guard import ApiGuard, max_body_bytes, upload_body_bytes
+from cosyapp.web.conversion import CONVERSION_PATH, conversion_route
 from cosyapp.web.cors import ApiCors
 from cosyapp.web.request_ids import RequestIds
 from cosyapp.web.route_guard import RouteGuard
@@ -173,6 +175,7 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         ApiRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
         ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
         *voice_routes(service),
+        ApiRoute(CONVERSION_PATH, conversion_route(service), methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_route(service)),
     ]
     settings = service.settings
@@ -183,7 +186,7 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
             ApiGuard,
             api_key=settings.api_key,
             max_body=max_body_bytes(settings.max_text_chars),
-            upload_paths=UPLOAD_PATHS,
+            upload_paths=(*UPLOAD_PATHS, CONVERSION_PATH),
             max_upload=upload_body_bytes(settings.max_upload_mb),
         ),
         Middleware(RouteGuard, routes=routes),

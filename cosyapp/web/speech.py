@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from cosyapp.codec import FORMATS, MEDIA_TYPES, AudioEncoder, encode_clip
-from cosyapp.engine.pipeline import AudioChunk
+from cosyapp.engine.pipeline import AudioChunk, Pipeline
 from cosyapp.engine.request import SynthesisRequest, check_request
 from cosyapp.errors import ParamError
 from cosyapp.frontend.modes import CROSS_LINGUAL, INSTRUCT, ZERO_SHOT, check_mode
@@ -111,28 +111,34 @@ def speech_route(service: Service):
             mode=body.synthesis_mode,
             instruction=body.instructions or None,
         )
-        chunks = pipeline.stream(request)
-        try:
-            if not request.streaming:
-                samples, notes = await until_disconnected(http, _whole(chunks))
-                data = await asyncio.to_thread(
-                    encode_clip, samples, body.response_format, pipeline.sample_rate
-                )
-                headers = {NOTE_HEADER: " ".join(notes)} if notes else None
-                return Response(data, media_type=MEDIA_TYPES[body.response_format], headers=headers)
-            # A full server raises before the first chunk, while a status can still be sent.
-            first = await until_disconnected(http, anext(chunks, None))
-        except ClientGone:
-            await chunks.aclose()
-            log.info("request %s: the client left; its synthesis stopped", request.request_id)
-            return Response(status_code=499)  # never sent: nobody is listening
-        encoder = AudioEncoder(body.response_format, pipeline.sample_rate)
-        audio = AudioBody(chunks, first, encoder)
-        if body.stream_format == "sse":
-            return ClosingStream(audio, sse_events(audio), SSE_MEDIA_TYPE)
-        return ClosingStream(audio, audio, MEDIA_TYPES[body.response_format])
+        return await audio_response(http, pipeline, request, body.response_format, body.stream_format)
 
     return speech
+
+
+async def audio_response(
+    http: Request, pipeline: Pipeline, request: SynthesisRequest, response_format: str, stream_format: str
+) -> Response:
+    """The answer to ``request`` (already checked) as ``response_format``: the whole file, or when
+    ``request.streaming`` its bytes (``stream_format`` "audio") or OpenAI's events ("sse") as made."""
+    chunks = pipeline.stream(request)
+    try:
+        if not request.streaming:
+            samples, notes = await until_disconnected(http, _whole(chunks))
+            data = await asyncio.to_thread(encode_clip, samples, response_format, pipeline.sample_rate)
+            headers = {NOTE_HEADER: " ".join(notes)} if notes else None
+            return Response(data, media_type=MEDIA_TYPES[response_format], headers=headers)
+        # A full server raises before the first chunk, while a status can still be sent.
+        first = await until_disconnected(http, anext(chunks, None))
+    except ClientGone:
+        await chunks.aclose()
+        log.info("request %s: the client left; its synthesis stopped", request.request_id)
+        return Response(status_code=499)  # never sent: nobody is listening
+    encoder = AudioEncoder(response_format, pipeline.sample_rate)
+    audio = AudioBody(chunks, first, encoder)
+    if stream_format == "sse":
+        return ClosingStream(audio, sse_events(audio), SSE_MEDIA_TYPE)
+    return ClosingStream(audio, audio, MEDIA_TYPES[response_format])
 
 
 async def _whole(chunks: AsyncGenerator[AudioChunk, None]) -> tuple[np.ndarray, list[str]]:
