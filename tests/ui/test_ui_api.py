@@ -1,5 +1,6 @@
 """The UI's named endpoints through gradio_client, as API users and load generators call them."""
 
+import base64
 import io
 import re
 import time
@@ -57,16 +58,17 @@ def test_concurrent_whole_clips_are_served_in_gradio_batches_each_with_its_own_r
             assert np.abs(firsts[a][:n] - firsts[b][:n]).mean() > 1e-3
 
 
-def test_streaming_endpoint_yields_chunks_then_the_whole_clip(client, ui):
+def test_streaming_endpoint_yields_pcm_chunks_then_the_whole_clip(client, ui):
     job = client.submit(*form("Hello world, this is a test.", seed=5), api_name="/speak")
     outputs = list(job)
     stream, stats, file = outputs[-1]
-    chunks = [out for out in outputs if isinstance(out[0], dict) and out[0].get("url")]
-    assert len(chunks) >= 2
-    assert chunks[0][0]["url"].endswith("playlist.m3u8")
+    assert [out[0]["done"] for out in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert len(stream["chunks"]) >= 2 and stream["rate"] == 24_000 and stream["ttfa"] > 0
     assert "TTFA" in stats and "streaming" not in stats
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(c), "<i2") for c in stream["chunks"]])
     clip = clip_of(ui, file)
-    assert len(clip) == reported_samples(stats) > 0 and len(clip) % 480 == 0
+    assert len(clip) == len(pcm) == reported_samples(stats) > 0 and len(clip) % 480 == 0
+    assert np.array_equal(pcm, np.rint(clip * 32768).astype(np.int16))
 
 
 def test_cancelling_a_streaming_job_aborts_its_engine_work(client, ui):

@@ -42,10 +42,10 @@ def speak(page, text: str, seed: int | None = None):
     page.locator("#generate:visible, #generate-clip:visible").click()
 
 
-def wait_until_playing(page, player: str = "#player", timeout: float = 30_000) -> None:
+def wait_until_playing(page, timeout: float = 30_000) -> None:
+    """Until the streaming player has played 50 ms (its worklet reports the position)."""
     page.wait_for_function(
-        "(sel) => { const a = document.querySelector(sel + ' audio'); return a && a.currentTime > 0.05; }",
-        arg=player,
+        "() => document.querySelector('#player .cosy-player').cosyPlayer.report().played > 1200",
         timeout=timeout,
     )
 

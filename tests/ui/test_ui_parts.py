@@ -1,9 +1,7 @@
-"""The UI's building blocks without a server: WAV chunks, ffmpeg, stats, errors, the metrics sampler."""
+"""The UI's building blocks without a server: WAV chunks, stats, errors, the metrics sampler."""
 
 import io
 import os
-import shutil
-import subprocess
 import time
 
 import numpy as np
@@ -13,7 +11,7 @@ import soundfile as sf
 from cosyapp.codec import wav
 from cosyapp.engine.metrics import Metrics
 from cosyapp.errors import BusyError, TextError, VoiceError, VoiceNotFoundError
-from cosyapp.web.ui.audio import ClipFolder, ensure_ffmpeg
+from cosyapp.web.ui.audio import ClipFolder
 from cosyapp.web.ui.events import INTERNAL_ERROR, as_toast, request_stats
 from cosyapp.web.ui.panel import MetricsHistory, history_of, plot_frames, stat_tiles
 
@@ -33,15 +31,6 @@ def test_clip_files_are_wavs_and_old_ones_are_removed(tmp_path):
     new = clips.write(np.full(960, 0.1, np.float32), 24_000)
     assert not old.exists()
     assert sf.info(new).frames == 960 and new.suffix == ".wav"
-
-
-def test_without_ffmpeg_on_path_the_imageio_binary_is_linked_and_put_first(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    path = ensure_ffmpeg(tmp_path / "bin")
-    assert path == str(tmp_path / "bin" / "ffmpeg") == shutil.which("ffmpeg")
-    version = subprocess.run(["ffmpeg", "-version"], capture_output=True, text=True, check=True)
-    assert version.stdout.startswith("ffmpeg version")
-    assert ensure_ffmpeg(tmp_path / "other") == path  # found on PATH now: nothing more is linked
 
 
 def test_stats_line_reports_ttfa_rtf_and_length():

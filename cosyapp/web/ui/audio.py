@@ -1,13 +1,6 @@
-"""Audio plumbing of the web UI: WAV files to download, and the ffmpeg Gradio's streaming needs.
+"""The whole clips of the web UI as WAV files to download (the streaming player's chunks are in
+``player.py``)."""
 
-Gradio's streaming player re-encodes every chunk with an ffmpeg binary found on PATH, and it treats
-numpy chunks badly (peak-normalised one at a time, cached by content hash), so chunks go out as
-16-bit WAV bytes (``cosyapp.codec.wav``).
-"""
-
-import logging
-import os
-import shutil
 import tempfile
 import time
 import uuid
@@ -16,8 +9,6 @@ from pathlib import Path
 import numpy as np
 
 from cosyapp.codec import wav
-
-log = logging.getLogger(__name__)
 
 
 class ClipFolder:
@@ -43,26 +34,3 @@ class ClipFolder:
         for old in self.folder.glob("*.wav"):
             if old.stat().st_mtime < cutoff:
                 old.unlink(missing_ok=True)
-
-
-def ensure_ffmpeg(bin_dir: Path) -> str:
-    """Path of the ``ffmpeg`` that streaming will use.
-
-    When none is on PATH, links the static binary of the ``imageio-ffmpeg`` package as
-    ``bin_dir/ffmpeg`` and puts ``bin_dir`` first on PATH (of this process, which Gradio searches
-    for every stream).
-    """
-    found = shutil.which("ffmpeg")
-    if found:
-        return found
-    import imageio_ffmpeg
-
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    link = bin_dir / "ffmpeg"
-    target = imageio_ffmpeg.get_ffmpeg_exe()
-    if not link.exists() or link.resolve() != Path(target).resolve():
-        link.unlink(missing_ok=True)
-        link.symlink_to(target)
-    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-    log.info("no ffmpeg on PATH; using imageio-ffmpeg's binary %s", target)
-    return str(link)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import gradio as gr
 import numpy as np
 
-from cosyapp.codec import to_int16, wav
+from cosyapp.codec import to_int16
 from cosyapp.engine.request import SynthesisRequest, shown
 from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
 from cosyapp.frontend.audio import PromptAudio, load_prompt_audio
@@ -30,6 +30,7 @@ from cosyapp.service import Service
 from cosyapp.web.clients import client_key
 from cosyapp.web.ui.audio import ClipFolder
 from cosyapp.web.ui.form import SpeechForm, as_text
+from cosyapp.web.ui.player import PlayerFeed
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +197,14 @@ class Handlers:
     # --- speaking -----------------------------------------------------------------------------
 
     async def speak(self, http: gr.Request, **values) -> AsyncIterator[tuple]:
-        """Stream speech for the ``SpeechForm`` in ``values``: yields (WAV bytes chunk, stats, skip)
-        per chunk, then (skip, stats, WAV file)."""
+        """Stream speech for the ``SpeechForm`` in ``values``: yields (player value, stats, skip) per
+        chunk (``PlayerFeed``: the stream so far as 16-bit PCM), then (the value marked done, stats,
+        WAV file)."""
         started = time.monotonic()
         pieces: list[np.ndarray] = []
         ttfa = None
         rate = self.pipeline.sample_rate
+        feed = PlayerFeed(rate)
         with toasts():
             request = await asyncio.to_thread(
                 self.request, SpeechForm(**values), True, client_address(http), http.session_hash
@@ -218,13 +221,13 @@ class Handlers:
                     pieces.append(chunk.samples)
                     samples = sum(len(p) for p in pieces)
                     stats = request_stats(samples, rate, time.monotonic() - started, ttfa) + " · streaming…"
-                    yield wav(chunk.samples, rate), stats, None if len(pieces) == 1 else gr.skip()
+                    yield feed.add(chunk.samples, ttfa), stats, None if len(pieces) == 1 else gr.skip()
             finally:
                 await stream.aclose()
         clip = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         path = await asyncio.to_thread(self.clips.write, clip, rate)
         stats = request_stats(len(clip), rate, time.monotonic() - started, ttfa)
-        yield gr.skip(), " · ".join([stats, *notes]), str(path)
+        yield feed.value(done=True), " · ".join([stats, *notes]), str(path)
 
     async def speak_clip(self, http: gr.Request, **values: list) -> list[list]:
         """Gradio batch function: whole clips for every waiting request, synthesised together.

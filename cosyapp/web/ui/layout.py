@@ -16,11 +16,11 @@ import gradio as gr
 
 from cosyapp.engine.request import MAX_SPEED, MIN_SPEED
 from cosyapp.service import Service
-from cosyapp.web.ui.audio import ensure_ffmpeg
 from cosyapp.web.ui.events import RECORDING, Handlers
 from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
 from cosyapp.web.ui.panel import build_panel
+from cosyapp.web.ui.player import stream_player
 
 CLIP_BATCH = 16
 CLIP_BATCHES_AT_ONCE = 2
@@ -79,11 +79,10 @@ def speak_jobs(service: Service) -> int:
 def build_demo(service: Service) -> gr.Blocks:
     """The web UI over ``service``'s shared Pipeline and voice library, its queue configured.
 
-    Also makes sure streaming can find an ffmpeg and starts the live panel's metrics sampler.
+    Also starts the live panel's metrics sampler.
     Serve it with ``demo.launch(**launch_options(demo))`` or mount it with
     ``gr.mount_gradio_app(app, demo, path="/", **mount_options(demo))``.
     """
-    ensure_ffmpeg(service.settings.cache_dir / "bin")
     handlers = Handlers(service)
     service.pipeline.metrics.gauges.update(
         clip_batch_size=lambda: handlers.batch_sizes.last,
@@ -156,13 +155,8 @@ def build_demo(service: Service) -> gr.Blocks:
                     )
                     stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
             with gr.Column(scale=2, min_width=300):
-                player = gr.Audio(
-                    label="Speech (streaming)",
-                    streaming=True,
-                    buttons=["download"],
-                    autoplay=True,
-                    interactive=False,
-                    elem_id="player",
+                player = stream_player(
+                    service.pipeline.sample_rate, start_on="#generate", stop_on="#stop", elem_id="player"
                 )
                 clip_player = gr.Audio(
                     label="Speech (whole clip)",

@@ -1,0 +1,127 @@
+"""The page's streaming player in headless Chromium: raw PCM through Gradio's queue, played by an
+AudioWorklet. The worklet reports every clip sample it writes to the output
+(``window.cosyappCapturePlayback``), so the tests compare what the page played with the download."""
+
+import base64
+import io
+
+import numpy as np
+import soundfile as sf
+from gradio.utils import diff
+
+from cosyapp.codec import pcm16
+from cosyapp.web.ui.player import PlayerFeed
+
+# Four chunks from the tiny model (first chunk, then 2 s, 4 s and the rest), seconds apart on a CPU.
+LONG_TEXT = "今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。明天早上再去跑步。"
+TEXT = "今天天气很好。我们去公园散步吧。"
+PLAYER = "#player .cosy-player"
+
+
+def open_player(page, ui):
+    page.add_init_script("window.cosyappCapturePlayback = true")
+    page.goto(ui.url)
+    page.wait_for_selector("#live-stats")
+    page.wait_for_function("() => document.querySelector('#voice input') !== null")
+    page.wait_for_timeout(500)
+
+
+def generate(page, text: str, seed: int) -> None:
+    page.locator("#text textarea").fill(text)
+    page.locator("#seed input").fill(str(seed))
+    page.locator("#generate").click()
+
+
+def report(page) -> dict:
+    return page.evaluate("(sel) => document.querySelector(sel).cosyPlayer.report()", PLAYER)
+
+
+def wait_for_state(page, *states: str, timeout: float = 60_000) -> None:
+    page.wait_for_function(
+        "([sel, states]) => states.includes(document.querySelector(sel).dataset.state)",
+        arg=[PLAYER, list(states)],
+        timeout=timeout,
+    )
+
+
+def played_samples(page) -> np.ndarray:
+    captured = page.evaluate("(sel) => document.querySelector(sel).cosyPlayer.captured()", PLAYER)
+    return np.frombuffer(base64.b64decode(captured), "<i2")
+
+
+def downloaded_samples(page, ui) -> np.ndarray:
+    link = page.locator("#download a").first
+    link.wait_for(timeout=30_000)
+    samples, rate = sf.read(io.BytesIO(ui.fetch(link.get_attribute("href"))), dtype="int16")
+    assert rate == 24_000
+    return samples
+
+
+def test_each_yield_sends_only_the_new_chunk_through_gradios_diff():
+    feed = PlayerFeed(24_000)
+    first = feed.add(np.full(480, 0.25, np.float32), ttfa=0.2)
+    second = feed.add(np.full(960, -0.5, np.float32), ttfa=0.2)
+    chunk = base64.b64encode(pcm16(np.full(960, -0.5, np.float32))).decode()
+    assert diff(first, second) == [["add", ["chunks", 1], chunk]]
+    assert diff(second, feed.value(done=True)) == [["replace", ["done"], True]]
+    assert np.frombuffer(base64.b64decode(first["chunks"][0]), "<i2").tolist() == [8192] * 480
+
+
+def test_the_player_starts_before_the_stream_ends(page, ui):
+    open_player(page, ui)
+    generate(page, LONG_TEXT, seed=1)
+    wait_for_state(page, "ended")
+    seen = report(page)
+    arrivals = [round(at) for at, _ in seen["arrivals"]]
+    print(f"click to sound {seen['clickToSound']:.0f} ms, TTFA {seen['serverTtfa']:.0f} ms, at {arrivals}")
+    assert len(arrivals) >= 3
+    assert seen["clickToSound"] < arrivals[-1]  # heard while later chunks were still being made
+    assert 0 < seen["serverTtfa"] < seen["clickToSound"]
+
+
+def test_the_page_plays_every_sample_once_in_order(page, ui):
+    open_player(page, ui)
+    generate(page, TEXT, seed=2)
+    wait_for_state(page, "ended")
+    played, clip = played_samples(page), downloaded_samples(page, ui)
+    assert len(clip) > 24_000 and len(report(page)["arrivals"]) >= 2
+    assert len(played) == len(clip)
+    assert np.array_equal(played, clip)
+
+
+def test_stop_cancels_the_server_work_and_the_playback(page, ui):
+    health = ui.service.pipeline.health
+    open_player(page, ui)
+    generate(page, LONG_TEXT, seed=3)
+    wait_for_state(page, "playing", "buffering")
+    assert health()["active_streams"] == 1
+    page.locator("#stop").click()
+    wait_for_state(page, "stopped", timeout=5_000)
+    for _ in range(50):
+        if health()["active_streams"] == 0:
+            break
+        page.wait_for_timeout(100)
+    assert health()["active_streams"] == 0
+    position = report(page)["played"]
+    page.wait_for_timeout(600)
+    assert report(page)["played"] == position  # nothing more is played
+    assert report(page)["done"] is False  # the stream never finished
+
+
+def test_two_pages_at_once_each_hear_their_own_audio(browser, ui):
+    pages = [browser.new_page(), browser.new_page()]
+    try:
+        for page in pages:
+            open_player(page, ui)
+        for seed, page in enumerate(pages, start=4):
+            generate(page, TEXT, seed=seed)
+        played = []
+        for page in pages:
+            wait_for_state(page, "ended")
+            played.append(played_samples(page))
+            assert np.array_equal(played[-1], downloaded_samples(page, ui))
+        n = min(len(played[0]), len(played[1]))
+        assert n > 24_000 and np.abs(played[0][:n].astype(int) - played[1][:n]).mean() > 10
+    finally:
+        for page in pages:
+            page.context.close()
