@@ -128,8 +128,12 @@ def test_streamed_formats_decode_from_their_first_bytes_while_the_clip_is_made(
     assert_length(decoded_samples(received, response_format), streamed_length, response_format, True)
 
 
+# Nine sentences: the paced demo model makes a sentence of a chunk or two, and SSE should show several.
+SSE_TEXT = " ".join([LONG] * 3)
+
+
 def sse_events(url: str, **body) -> tuple[str, list[dict]]:
-    request = {"model": "tts-1", "voice": VOICE, "input": LONG, "seed": 3, "stream_format": "sse", **body}
+    request = {"model": "tts-1", "voice": VOICE, "input": SSE_TEXT, "seed": 3, "stream_format": "sse", **body}
     response = httpx.post(f"{url}/v1/audio/speech", json=request, timeout=120)
     assert response.status_code == 200, response.text
     blocks = [block for block in response.text.split("\n\n") if block]
@@ -146,7 +150,7 @@ def test_sse_events_carry_base64_audio_adding_up_to_the_streamed_clip(url, sdk):
     streamed = sdk.audio.speech.create(
         model="tts-1",
         voice=VOICE,
-        input=LONG,
+        input=SSE_TEXT,
         response_format="pcm",
         stream_format="audio",
         extra_body={"seed": 3},
@@ -157,7 +161,7 @@ def test_sse_events_carry_base64_audio_adding_up_to_the_streamed_clip(url, sdk):
 
 
 def test_sse_deltas_of_a_compressed_format_form_one_file(url, streamed_length):
-    _, events = sse_events(url, response_format="opus")
+    _, events = sse_events(url, response_format="opus", input=LONG)
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert audio.startswith(b"OggS")
     assert_length(decoded_samples(audio, "opus"), streamed_length, "opus", True)
