@@ -24,7 +24,8 @@ import numpy as np
 from cosyapp.codec import to_int16
 from cosyapp.engine.request import SynthesisRequest, shown
 from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
-from cosyapp.frontend.audio import PromptAudio, load_prompt_audio
+from cosyapp.frontend.audio import PromptAudio
+from cosyapp.frontend.prepare import read_upload
 from cosyapp.frontend.voices import Voice, VoiceInfo, check_prompt_text
 from cosyapp.service import Service
 from cosyapp.web.clients import client_key
@@ -122,16 +123,9 @@ class Handlers:
         ]
 
     def recording_audio(self, recording: str) -> PromptAudio:
-        """The validated recording of an upload (at most ``--max-upload-mb``). Raises a VoiceError."""
-        return load_prompt_audio(recording, max_mb=self.max_upload_mb)
-
-    def check_recording(self, recording: str | None) -> dict:
-        """Validate a new upload or microphone recording and select it as the voice."""
-        if recording is None:
-            return gr.skip()
-        with toasts():
-            self.recording_audio(recording)
-        return gr.update(value=RECORDING)
+        """The prompt of an upload (at most ``--max-upload-mb``) as the page previews it: prepared by
+        ``frontend/prepare.py`` (web/ui/prompt.py). Raises a VoiceError."""
+        return read_upload(recording, self.max_upload_mb).audio
 
     def save_voice(
         self, name: str, recording: str | None, prompt_text: str, shared: bool, session: str

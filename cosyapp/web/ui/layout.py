@@ -21,6 +21,7 @@ from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
 from cosyapp.web.ui.panel import build_panel
 from cosyapp.web.ui.player import stream_player
+from cosyapp.web.ui.prompt import OTHER_FORMATS, PromptHandlers, wire_prompt
 
 CLIP_BATCH = 16
 CLIP_BATCHES_AT_ONCE = 2
@@ -128,9 +129,27 @@ def build_demo(service: Service) -> gr.Blocks:
                         label="Prompt recording (1-30 s of clear speech)",
                         elem_id="recording",
                     )
-                    prompt_text = gr.Textbox(
-                        value="", label="What is said in the recording", lines=2, elem_id="prompt-text"
+                    other_file = gr.UploadButton(
+                        "Or upload a video-format recording (.webm, .mp4, .3gp, .mov)",
+                        file_types=OTHER_FORMATS,
+                        size="sm",
+                        elem_id="upload-other",
                     )
+                    preview = gr.Audio(
+                        label="What will be used (silence trimmed, levelled)",
+                        interactive=False,
+                        buttons=["download"],
+                        elem_id="prompt-preview",
+                    )
+                    prepared_note = gr.Markdown("", elem_id="prompt-prepared")
+                    prompt_text = gr.Textbox(
+                        value="",
+                        label="What is said in the recording",
+                        placeholder="Filled in automatically from the recording; edit it if needed",
+                        lines=2,
+                        elem_id="prompt-text",
+                    )
+                    transcript_note = gr.Markdown("", elem_id="transcript-note")
                     with gr.Row():
                         voice_name = gr.Textbox(label="Name to save it under", scale=3, elem_id="voice-name")
                         shared = gr.Checkbox(label="Share with everyone", scale=1, elem_id="voice-shared")
@@ -223,8 +242,9 @@ def build_demo(service: Service) -> gr.Blocks:
         )
         dice.click(None, None, seed, js="() => Math.floor(Math.random() * 4294967296)", api_name=False)
         voice_jobs = {"concurrency_limit": VOICE_JOBS, "concurrency_id": "voice", "api_name": False}
-        for new_recording in (recording.upload, recording.stop_recording):
-            new_recording(handlers.check_recording, recording, voice, **voice_jobs)
+        notes = [prepared_note, transcript_note]
+        prompt_parts = [recording, other_file, voice, prompt_text, preview, *notes]
+        wire_prompt(PromptHandlers(service), *prompt_parts, voice_jobs)
         save.click(
             handlers.save_voice,
             [voice_name, recording, prompt_text, shared, session],
