@@ -118,13 +118,21 @@ class TextFrontend:
         """Token ids of ``text``: default settings, no BOS/EOS, added special tokens matched anywhere."""
         return self.tokenizer(text)["input_ids"]
 
-    def normalize_prompt(self, text: str) -> str:
-        """The prompt text normalised as one string (upstream's ``split=False``); never split."""
+    def normalize_prompt(self, text: str, language: str = "") -> str:
+        """The prompt text normalised as one string (upstream's ``split=False``); never split.
+
+        ``language`` (a recogniser's zh, yue, en, ja or ko; "" unknown) picks the rules instead of the
+        script: Japanese and Korean have none (the Chinese rules would read their digits as Chinese
+        numbers, the English ones spell them out in English), so their transcript stays as written.
+        """
         text = remove_control_characters(text)
         if _skips_normalization(text):
             return text
         text = text.strip()
-        return self._normalize_zh(text) if _is_chinese(text) else self._normalize_en(text)
+        if language in ("ja", "ko"):
+            return text
+        chinese = language in ("zh", "yue") or (language != "en" and _is_chinese(text))
+        return self._normalize_zh(text) if chinese else self._normalize_en(text)
 
     def split(self, text: str) -> list[str]:
         """The TTS text normalised and split into sentences as one piece (upstream's ``split=True``).
@@ -170,9 +178,9 @@ class TextFrontend:
             raise TextError(NOTHING_TO_READ)
         return sentences
 
-    def prompt_ids(self, prompt_text: str) -> list[int]:
+    def prompt_ids(self, prompt_text: str, language: str = "") -> list[int]:
         """Token ids of the normalised prompt text (tokenised apart from the TTS text, as upstream)."""
-        return self.tokenize(self.normalize_prompt(prompt_text))
+        return self.tokenize(self.normalize_prompt(prompt_text, language))
 
     def _split_normalized(self, text: str, chinese: bool) -> list[str]:
         if chinese:

@@ -76,9 +76,11 @@ class Voice:
     prompt_ids: tuple[int, ...] | None = None
 
     def prompt(self, text: "TextFrontend") -> PromptInputs:
-        """The model inputs of this voice: its features plus its normalised transcript's ids."""
-        ids = list(self.prompt_ids) if self.prompt_ids is not None else text.prompt_ids(self.prompt_text)
-        return self.features.prompt(ids)
+        """The model inputs of this voice: its features plus its transcript's ids, normalised by the
+        rules of its language when known (a recogniser's, kept with the voice)."""
+        if self.prompt_ids is not None:
+            return self.features.prompt(list(self.prompt_ids))
+        return self.features.prompt(text.prompt_ids(self.prompt_text, self.info.language))
 
 
 def sanitize_name(name: str) -> str:
