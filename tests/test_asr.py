@@ -153,3 +153,13 @@ def test_transcribe_async_waits_off_the_event_loop(shared):
     assert transcript == shared.transcribe(audio)
     assert ticks > 1  # the loop kept running while the ASR thread worked
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_the_flags_choose_the_model_or_turn_transcription_off(monkeypatch):
+    from cosyapp.settings import parse_settings
+
+    assert parse_settings([]).asr_model == DEFAULT_ASR_REPO
+    assert parse_settings(["--asr-model", "/models/whisper"]).asr_model == "/models/whisper"
+    assert parse_settings(["--no-asr"]).asr_model is None
+    monkeypatch.setenv("COSYAPP_NO_ASR", "1")
+    assert parse_settings([]).asr_model is None
