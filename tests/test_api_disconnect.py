@@ -103,3 +103,30 @@ def test_a_request_whose_client_stays_is_not_cut(url, service):
 def requests_total_at(url: str) -> dict[str, float]:
     with httpx.Client(base_url=url, timeout=30) as client:
         return requests_total(client)
+
+
+@pytest.fixture
+def quick_heartbeats(monkeypatch):
+    """Gradio notices a closed page when its event stream next wakes: heartbeats every 0.2 s."""
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")
+
+
+def test_a_page_that_goes_away_stops_its_whole_clip(url, service, quick_heartbeats):
+    """A page's whole clip whose event stream disconnects is cancelled once Gradio marks the event
+    gone: the engines drop its work and the metrics count it as cancelled. (A streamed event ends at
+    its next chunk, when Gradio closes its generator.)"""
+    wait_until(lambda: idle(service))
+    before = requests_total_at(url)
+    form = [TEXT, VOICE, None, "", 1.0, 1, "page-that-goes-away"]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        event = http.post("/gradio_api/call/speak_clip", json={"data": form}).json()["event_id"]
+        with http.stream("GET", f"/gradio_api/call/speak_clip/{event}"):
+            lm = service.pipeline.lm
+            wait_until(lambda: lm.stats().tokens_generated > 0 and lm.stats().running == 1, timeout=60)
+        # The event stream is closed here, as when the tab is closed.
+    closed = time.monotonic()
+    wait_until(lambda: idle(service), timeout=30)
+    stopped = time.monotonic() - closed
+    after = requests_total_at(url)
+    assert after["cancelled"] == before["cancelled"] + 1 and after["done"] == before["done"]
+    assert stopped < 5, stopped  # heartbeat, queue notice and the 0.2 s watch; the clip takes minutes

@@ -31,6 +31,7 @@ from cosyapp.service import Service
 from cosyapp.web.clients import client_key
 from cosyapp.web.ui.audio import ClipFolder
 from cosyapp.web.ui.form import SpeechForm, as_text
+from cosyapp.web.ui.liveness import ClientWatch
 from cosyapp.web.ui.player import PlayerFeed
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class Handlers:
         self.max_upload_mb = service.settings.max_upload_mb
         self.clips = ClipFolder()
         self.batch_sizes = BatchSizes()
+        self.client_watch = ClientWatch()  # attached to the demo once it is built (layout.py)
 
     # --- voices -------------------------------------------------------------------------------
 
@@ -243,14 +245,21 @@ class Handlers:
             *(asyncio.to_thread(self.request, form, False, client_address(http)) for form in forms),
             return_exceptions=True,
         )
-        valid = [r for r in requests if isinstance(r, SynthesisRequest)]
-        results = iter(await self.pipeline.synthesize_batch(valid))
-        outcomes = [next(results) if isinstance(r, SynthesisRequest) else r for r in requests]
+        # The clips are made together (their work shares the engines' batches); a request whose page
+        # has gone is cancelled on the way (liveness.py).
+        synthesize = self.pipeline.synthesize
+        calls = [synthesize(r) if isinstance(r, SynthesisRequest) else _given(r) for r in requests]
+        outcomes = await self.client_watch.run(http, calls)
         elapsed = time.monotonic() - started
         players, stats, files = [], [], []
         for outcome in outcomes:
+            if isinstance(outcome, asyncio.CancelledError):  # its page has gone: nobody to answer
+                players.append(None)
+                stats.append(failed_stats("The page closed before the clip was ready.", size))
+                files.append(None)
+                continue
             if isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception):  # cancelled: not an answer to give
+                if not isinstance(outcome, Exception):
                     raise outcome
                 error = as_toast(outcome)
                 if size == 1:
@@ -267,6 +276,10 @@ class Handlers:
             stats.append(request_stats(len(clip), rate, elapsed, batch=size))
             files.append(path)
         return [players, stats, files]
+
+
+async def _given(value: object) -> object:
+    return value
 
 
 def voice_label(info: VoiceInfo) -> str:

@@ -265,6 +265,7 @@ def build_demo(service: Service) -> gr.Blocks:
     demo.auth = [settings.auth] if settings.auth else None
     demo.queue(max_size=max(64, 4 * settings.max_streams), default_concurrency_limit=1)
     isolate_requests(demo)
+    handlers.client_watch.attach(demo)
     assert RECORDING not in {v for _, v in voices[:-1]}, "a library voice id collides with RECORDING"
     return demo
 
