@@ -6,9 +6,10 @@ beside baselines on the same model, in one run.
 
 Load is reproducible: random weights whose stop tokens are unreachable, so every request decodes a
 known number of speech tokens (see cosyapp/bench/load.py), a fixed prompt voice and fixed seeds.
-Drivers: ``pipeline`` (in-process), ``openai`` (POST /v1/audio/speech) and ``gradio`` (the page's
-endpoints through gradio_client); the HTTP drivers talk to the benchmark's own server on a loopback
-port unless --url names a running one. Prints a row per level and writes JSON plus PNG plots
+Drivers: ``pipeline`` (in-process), ``openai`` (POST /v1/audio/speech), ``gradio`` (the page's
+endpoints through gradio_client) and ``browser`` (the page in headless Chromium through Playwright:
+click-to-sound beside server TTFA, streaming only); the others talk to the benchmark's own server on
+a loopback port unless --url names a running one. Prints a row per level and writes JSON plus PNG plots
 (``--out x.json`` -> ``x-latency.png``, ``x-throughput.png``, ``x-stages.png``).
 """
 
@@ -30,7 +31,7 @@ SMOKE = {
     "clients": "1,2",
     "texts": "short",
     "modes": "stream,whole",
-    "drivers": ",".join(DRIVERS),
+    "drivers": "pipeline,openai,gradio",
     "baselines": True,
     "baseline_clients": 2,
     "full_size": False,
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--drivers",
-        default=",".join(DRIVERS),
-        help="pipeline (in-process), openai (HTTP API), gradio (gradio_client) (default: %(default)s)",
+        default="pipeline,openai,gradio",
+        help="pipeline (in-process), openai (HTTP API), gradio (gradio_client), browser (the page in "
+        "headless Chromium, streaming only) (default: %(default)s)",
     )
     add(
         "--url",
@@ -162,6 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(e.flag())
     http = [d for d in args.drivers if d != "pipeline"]
     needed = (["gradio"] if http and not args.url else []) + (["gradio_client"] if "gradio" in http else [])
+    needed += ["playwright"] if "browser" in http else []
     for package in needed + (["httpx"] if http else []):
         if importlib.util.find_spec(package) is None:
             parser.error(

@@ -3,7 +3,8 @@
 - ``pipeline``: ``Pipeline.stream`` in this process (no HTTP, no UI);
 - ``openai``: ``POST /v1/audio/speech`` of a server (raw 16-bit PCM, streamed when streaming);
 - ``gradio``: the page's ``/speak`` (streaming) and ``/speak_clip`` (whole clip) through gradio_client,
-  one client per concurrent user, as separate browser sessions would be.
+  one client per concurrent user, as separate browser sessions would be;
+- ``browser``: the page itself in headless Chromium (``browser.py``), streaming only.
 
 Each driver sends a level's requests at once and returns what each client saw (``RequestResult``).
 The HTTP drivers run their clients in threads, off the event loop that serves the benchmark's own
@@ -21,7 +22,7 @@ from cosyapp.bench.stats import RequestResult
 from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
 from cosyapp.frontend.voices import Voice
 
-DRIVERS = ("pipeline", "openai", "gradio")
+DRIVERS = ("pipeline", "openai", "gradio", "browser")
 # The page's stats line after each chunk: the audio so far, e.g. "(34,560 samples at 24,000 Hz)". It is
 # the one place the endpoints report lengths without downloading the audio.
 STATS_SAMPLES = re.compile(r"\(([\d,]+) samples at ([\d,]+) Hz\)")

@@ -87,6 +87,16 @@ def row(level: dict) -> str:
             f"HiFT<={level['hift_max_batch']}  flow {stages['flow_s']:.2f} s ({stages['flow_calls']} calls) "
             f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']})"
         )
+    if "click_to_sound_p50" in level:
+        parts.append(
+            f"click to sound p50/p99 {_ms(level['click_to_sound_p50'])}/{_ms(level['click_to_sound_p99'])}"
+            " ms "
+            f"(server TTFA {_ms(level['server_ttfa_p50'])}/{_ms(level['server_ttfa_p99'])}, "
+            f"difference {_ms(level['player_delay_p50'])}/{_ms(level['player_delay_p99'])}: delivery "
+            f"{_ms(level['delivery_p50'])}/{_ms(level['delivery_p99'])} + player "
+            f"{_ms(level['sound_after_chunk_p50'])}/{_ms(level['sound_after_chunk_p99'])}, "
+            f"player underruns {level['player_underruns']})"
+        )
     if level["failed"]:
         parts.append(f"FAILED {level['failed']}: {level['errors'][0]}")
     return "  ".join(parts)

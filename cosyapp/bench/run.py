@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cosyapp.bench import baselines as base
+from cosyapp.bench.browser import BrowserDriver
 from cosyapp.bench.drivers import GradioDriver, OpenAIDriver, PipelineDriver
 from cosyapp.bench.levels import Driver, measure
 from cosyapp.bench.load import (
@@ -101,7 +102,11 @@ async def _measure_all(
     ``local``: whether ``pipeline`` serves (the pipeline driver, the own server) rather than a server
     in another process.
     """
-    settings = list(itertools.product(texts, drivers, args.modes, args.clients))
+    settings = [
+        setting
+        for setting in itertools.product(texts, drivers, args.modes, args.clients)
+        if _measures(setting[1], setting[2])
+    ]
     total = sum(clients for *_, clients in settings)
     if args.baselines:
         total += base.requests(pipeline, args.baseline_clients, max(args.clients))
@@ -127,6 +132,7 @@ def _drivers(names: list[str], pipeline: Pipeline, url: str | None) -> list[Driv
         "pipeline": lambda: PipelineDriver(pipeline, bench_voice(pipeline.text)),
         "openai": lambda: OpenAIDriver(url, VOICE_ID, pipeline.sample_rate),
         "gradio": lambda: GradioDriver(url, VOICE_ID),
+        "browser": lambda: BrowserDriver(url, VOICE_ID, pipeline.sample_rate),
     }
     return [made[name]() for name in names]
 
@@ -141,8 +147,13 @@ async def _warm_up(
         await measure(warm, text, True, min(max(args.clients), args.max_batch), None)
     for driver in drivers:
         if driver.name != "pipeline":
-            for mode in args.modes:
+            for mode in filter(lambda mode: _measures(driver, mode), args.modes):
                 await measure(driver, text, mode == "stream", 1, None)
+
+
+def _measures(driver: Driver, mode: str) -> bool:
+    """Whether ``driver`` measures ``mode``: the browser driver plays streams only."""
+    return driver.name != "browser" or mode == "stream"
 
 
 async def _baselines(pipeline: Pipeline, text: TextSet, args: argparse.Namespace, on_done) -> dict[str, dict]:

@@ -12,16 +12,20 @@ from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.token2wav.worker import Token2WavStats
 
 STAGES = ("lm", "flow", "hift")
+QUANTILES = (50, 90, 99)
 
 
 @dataclass
 class RequestResult:
     """One request as its client saw it. ``chunks``: (seconds after sending, audio seconds) of each
-    piece of audio received, in order; ``total``: seconds until the response ended."""
+    piece of audio received, in order; ``total``: seconds until the response ended; ``player``: what
+    the page's player measured (browser driver): ``click_to_sound_s``, ``first_chunk_s`` (the click
+    to the first chunk in the page), ``server_ttfa_s``, ``underruns``."""
 
     chunks: list[tuple[float, float]] = field(default_factory=list)
     total: float | None = None
     error: str | None = None
+    player: dict | None = None
 
     @property
     def ttfa(self) -> float | None:
@@ -72,6 +76,34 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "underrun_events": sum(events for events, _ in underruns),
         "streams_with_underruns": sum(1 for events, _ in underruns if events),
         "stall_s_total": sum(stall for _, stall in underruns),
+        **player_summary(done),
+    }
+
+
+def player_summary(results: list[RequestResult]) -> dict:
+    """p50/p90/p99 of click-to-sound, the server's TTFA, their difference (``player_delay``: what the
+    page, Gradio's queue and the network add) and its two parts: ``delivery`` (the first chunk's
+    arrival in the page less the server's TTFA: the click reaching the handler and the chunk
+    reaching the page) and ``sound_after_chunk`` (the player alone: arrival to the first sample at
+    the output); and the player's underruns. Empty without player measurements."""
+    players = [r.player for r in results if r.player is not None]
+    if not players:
+        return {}
+
+    def differences(later: str, earlier: str) -> list[float]:
+        return [p[later] - p[earlier] for p in players if p[later] is not None and p[earlier] is not None]
+
+    series = {
+        "click_to_sound": [p["click_to_sound_s"] for p in players if p["click_to_sound_s"] is not None],
+        "server_ttfa": [p["server_ttfa_s"] for p in players if p["server_ttfa_s"] is not None],
+        "player_delay": differences("click_to_sound_s", "server_ttfa_s"),
+        "delivery": differences("first_chunk_s", "server_ttfa_s"),
+        "sound_after_chunk": differences("click_to_sound_s", "first_chunk_s"),
+    }
+    return {
+        **{f"{name}_p{q}": percentile(values, q / 100) for name, values in series.items() for q in QUANTILES},
+        "player_underruns": sum(p["underruns"] for p in players),
+        "pages_with_underruns": sum(1 for p in players if p["underruns"]),
     }
 
 

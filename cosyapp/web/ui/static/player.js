@@ -32,7 +32,7 @@ let ended = false;
 let state = "idle";
 let clickAt = null;
 let arrivals = []; // [ms after the click, samples] per chunk
-let measured = { clickToSound: null, serverTtfa: null, underruns: 0, target: 0 };
+let measured = { clickToSound: null, serverTtfa: null, doneAt: null, underruns: 0, target: 0 };
 let captured = [];
 let dragging = false;
 
@@ -200,6 +200,8 @@ function scheduledOutput() {
   };
 }
 
+// Made at load (suspended until a click resumes it), so the first Generate does not wait for the
+// worklet module.
 function openAudio() {
   if (!ctx) {
     ctx = new AudioContext({ sampleRate: rate, latencyHint: "interactive" });
@@ -221,8 +223,13 @@ function openAudio() {
       return workletOutput(node);
     })().then((made) => (output = made));
   }
-  if (ctx.state !== "running") ctx.resume();
   return ready;
+}
+
+function resumeAudio() {
+  const made = openAudio();
+  if (ctx.state !== "running") ctx.resume();
+  return made;
 }
 
 // --- the stream -----------------------------------------------------------------------------------
@@ -244,7 +251,7 @@ function startRun(id) {
   ended = false;
   arrivals = [];
   captured = [];
-  measured = { clickToSound: null, serverTtfa: null, underruns: 0, target: measured.target };
+  measured = { clickToSound: null, serverTtfa: null, doneAt: null, underruns: 0, target: measured.target };
   root.dataset.run = id;
   if (output) output.reset();
   setState("waiting");
@@ -269,6 +276,7 @@ async function take() {
   if (value.ttfa !== null && value.ttfa !== undefined) measured.serverTtfa = value.ttfa * 1000;
   if (value.done && !ended) {
     ended = true;
+    measured.doneAt = clickAt === null ? null : performance.now() - clickAt;
     output.end();
   }
   root.dataset.received = String(received);
@@ -295,7 +303,7 @@ document.addEventListener(
       if (output) output.pause();
       staleRun = run;
       clickAt = event.timeStamp;
-      openAudio();
+      resumeAudio();
       setState("idle");
     } else if (event.target.closest(props.stop_on)) stop();
   },
@@ -303,7 +311,7 @@ document.addEventListener(
 );
 
 ui.play.addEventListener("click", () => {
-  openAudio();
+  resumeAudio();
   if (!output) return;
   if (state === "playing" || state === "buffering" || state === "waiting") {
     output.pause();
@@ -373,3 +381,4 @@ root.cosyPlayer = {
 setState("idle");
 showPosition();
 showMetrics();
+openAudio();
