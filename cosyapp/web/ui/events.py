@@ -4,7 +4,8 @@ Two ways to speak, both named API endpoints taking the fields of ``SpeechForm``:
 - ``speak`` (streaming): one async generator per session, fed by ``Pipeline.stream``; closing it
   (Stop, a closed tab, a cancelled client job) closes the pipeline stream, which aborts its work.
 - ``speak_clip`` (whole clip): a Gradio batch function; the queue hands it every waiting request at
-  once and it runs them through ``Pipeline.synthesize_batch``.
+  once and it runs them together through ``Pipeline.synthesize``, cancelling those whose page has
+  gone (``liveness.py``).
 
 Every error leaves here through ``as_toast``: a ``UserError`` with its message, anything else logged
 with its traceback and shown as a generic "internal error".
