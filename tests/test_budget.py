@@ -87,7 +87,9 @@ def test_the_api_says_in_the_sse_done_event_that_the_budget_cut_the_speech(url):
     events = [json.loads(b[len("data: ") :]) for b in response.text.split("\n\n") if b]
     audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert events[-1]["type"] == "speech.audio.done"
-    assert events[-1]["note"].startswith("The audio stops early: this request reached the server's limit of 1 s")
+    assert events[-1]["note"].startswith(
+        "The audio stops early: this request reached the server's limit of 1 s"
+    )
     assert 0 < len(audio) <= 2 * 24_000  # 16-bit samples of at most 1 s
 
 

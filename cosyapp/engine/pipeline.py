@@ -131,7 +131,8 @@ class Pipeline:
                 await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
-        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once.
+        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once (in
+        steps as large as the worker's step_frames allows).
 
         A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
         incremental flow's graphs of those shapes are captured here rather than during requests."""
