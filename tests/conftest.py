@@ -1,8 +1,14 @@
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Gradio's upload cache of this test run alone (the servers the tests start inherit it): the page
+# deletes cached uploads older than an hour, which must never reach another run's files.
+os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="cosyapp-tests-gradio-"))
 
 # Facts about the official CosyVoice2-0.5B files: each weight file's tensor names and shapes, and the
 # yaml's hyperparameters (see data/README.md).
