@@ -15,7 +15,7 @@ import asyncio
 import html
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -194,18 +194,25 @@ class Handlers:
     # --- speaking -----------------------------------------------------------------------------
 
     async def speak(self, http: gr.Request, **values) -> AsyncIterator[tuple]:
-        """Stream speech for the ``SpeechForm`` in ``values``: yields (player value, stats, skip) per
-        chunk (``PlayerFeed``: the stream so far as 16-bit PCM), then (the value marked done, stats,
-        WAV file)."""
+        """Stream speech for the ``SpeechForm`` in ``values``: yields as ``stream``."""
+
+        def build() -> SynthesisRequest:
+            return self.request(SpeechForm(**values), True, client_address(http), http.session_hash)
+
+        async for update in self.stream(build):
+            yield update
+
+    async def stream(self, build: Callable[[], SynthesisRequest]) -> AsyncIterator[tuple]:
+        """Stream the request ``build`` returns (called in a thread; its errors become toasts): yields
+        (player value, stats, skip) per chunk (``PlayerFeed``: the stream so far as 16-bit PCM), then
+        (the value marked done, stats, WAV file). ``speak`` and the page's modes (modes.py) use it."""
         started = time.monotonic()
         pieces: list[np.ndarray] = []
         ttfa = None
         rate = self.pipeline.sample_rate
         feed = PlayerFeed(rate)
         with toasts():
-            request = await asyncio.to_thread(
-                self.request, SpeechForm(**values), True, client_address(http), http.session_hash
-            )
+            request = await asyncio.to_thread(build)
             stream = self.pipeline.stream(request)
             notes: list[str] = []  # the audio budget's (engine/budget.py): a toast now, and in the stats
             try:

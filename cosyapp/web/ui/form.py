@@ -4,7 +4,7 @@ endpoints ``/speak`` and ``/speak_clip`` (in this order), and what the handlers 
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cosyapp.engine.request import check_request, shown
+from cosyapp.engine.request import check_options, check_request, shown
 from cosyapp.errors import UserError
 
 
@@ -33,14 +33,18 @@ class SpeechForm:
     seed: float | None
     session: str
 
-    def check(self, max_chars: int) -> None:
+    def check(self, max_chars: int, needs_text: bool = True) -> None:
         """Raise the ``UserError`` of the first rule the form breaks: a value Gradio refused
-        (``Refused``), the request rules (``check_request``: text, speed, seed), then the form's own
-        text fields: voice id, transcript and session must be strings (or null)."""
+        (``Refused``), the request rules (``check_request``: text, speed, seed; only speed and seed
+        without ``needs_text``, for voice conversion), then the form's own text fields: voice id,
+        transcript and session must be strings (or null)."""
         for field in fields(self):
             if isinstance(value := getattr(self, field.name), Refused):
                 raise value.error
-        check_request(self.text, self.speed, self.seed, max_chars)
+        if needs_text:
+            check_request(self.text, self.speed, self.seed, max_chars)
+        else:
+            check_options(self.speed, self.seed)
         as_text(self.voice_id, "voice")
         as_text(self.prompt_text, "transcript")
         as_text(self.session, "session")

@@ -19,6 +19,7 @@ from cosyapp.service import Service
 from cosyapp.web.ui.events import RECORDING, Handlers
 from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
+from cosyapp.web.ui.modes import ModeTabs, tag_buttons, wire_modes
 from cosyapp.web.ui.panel import build_panel
 from cosyapp.web.ui.player import stream_player
 from cosyapp.web.ui.prompt import OTHER_FORMATS, PromptHandlers, wire_prompt
@@ -101,6 +102,7 @@ def build_demo(service: Service) -> gr.Blocks:
             gr.Markdown(demo_banner(service.demo_reason), elem_classes="demo-banner", elem_id="demo-banner")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3, min_width=300):
+                mode_tabs = ModeTabs.build()
                 text = gr.Textbox(
                     EXAMPLES[0][0],
                     label="Text",
@@ -115,6 +117,7 @@ def build_demo(service: Service) -> gr.Blocks:
                     elem_classes="char-counter",
                     elem_id="char-counter",
                 )
+                tags = tag_buttons(text)
                 # Saved voices come and go per session, and a Gradio batch checks every request against the
                 # first one's session: the handlers check the id instead (clear message if unknown).
                 voice = gr.Dropdown(
@@ -172,10 +175,16 @@ def build_demo(service: Service) -> gr.Blocks:
                     generate_clip = gr.Button(
                         "Generate", variant="primary", scale=2, visible=False, elem_id="generate-clip"
                     )
+                    generate_mode = gr.Button(
+                        "Generate", variant="primary", scale=2, visible=False, elem_id="generate-mode"
+                    )
                     stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
             with gr.Column(scale=2, min_width=300):
                 player = stream_player(
-                    service.pipeline.sample_rate, start_on="#generate", stop_on="#stop", elem_id="player"
+                    service.pipeline.sample_rate,
+                    start_on="#generate, #generate-mode",
+                    stop_on="#stop",
+                    elem_id="player",
                 )
                 clip_player = gr.Audio(
                     label="Speech (whole clip)",
@@ -190,7 +199,6 @@ def build_demo(service: Service) -> gr.Blocks:
                 download = gr.File(
                     label="Download the whole clip (WAV)", interactive=False, height=90, elem_id="download"
                 )
-        gr.Examples(EXAMPLES, [text, voice], label="Examples")
         build_panel(service.pipeline.metrics)
 
         form = SpeechForm.inputs(
@@ -225,13 +233,19 @@ def build_demo(service: Service) -> gr.Blocks:
             concurrency_id="speak_clip",
         )
         stop.click(None, None, None, cancels=[speaking, clip], queue=False, api_name=False)
-        streaming.change(
-            lambda on: [gr.update(visible=on), gr.update(visible=not on)] * 2,
-            streaming,
-            [generate, generate_clip, player, clip_player],
-            queue=False,
-            show_progress="hidden",
-            api_name=False,
+        wire_modes(
+            handlers,
+            mode_tabs,
+            form,
+            EXAMPLES,
+            text_parts=[text, counter, tags],
+            streaming=streaming,
+            buttons=[generate, generate_clip, generate_mode],
+            players=[player, clip_player],
+            stats=stats,
+            download=download,
+            stop=stop,
+            concurrency={"concurrency_limit": speak_jobs(service), "concurrency_id": "speak"},
         )
         text.change(
             None,
