@@ -137,8 +137,8 @@ class ModeTabs:
                         for group, choices in PRESETS.items():
                             with gr.Row(elem_classes="preset-row"):
                                 gr.Markdown(f"{group}:", elem_classes="preset-group")
-                                for label_, text in choices:
-                                    button = gr.Button(label_, size="sm", min_width=60, scale=0)
+                                for preset, text in choices:
+                                    button = gr.Button(preset, size="sm", min_width=60, scale=0)
                                     presets.append((button, text))
                     if name == VOICE_CONVERSION:
                         source = gr.Audio(
