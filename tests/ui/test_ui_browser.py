@@ -168,7 +168,7 @@ def test_a_text_file_named_wav_is_refused_with_a_clear_message(page, ui, tmp_pat
 def test_the_live_panel_changes_while_a_request_runs(page, ui):
     open_app(page, ui)
     done = ui.service.pipeline.metrics.snapshot()["done"]
-    speak(page, "Hello world, this is a test.", seed=11)
+    speak(page, LONG_TEXT, seed=11)  # five sentences: seconds of work, over a panel refresh
     page.wait_for_function(
         "() => /\\b1\\s+active streams/.test(document.querySelector('#live-stats').innerText)", timeout=15_000
     )
