@@ -104,6 +104,8 @@ class BrowserDriver:
             polling=50,
         )
         seen = await page.evaluate(f"() => document.querySelector({PLAYER!r}).cosyPlayer.report()")
+        if any(at is None for at, _ in seen["arrivals"]):  # its clock starts at the click it saw
+            return RequestResult(error="the player saw no Generate click, so it timed nothing")
         chunks = [(at / 1000, samples / self.sample_rate) for at, samples in seen["arrivals"]]
         player = {
             "click_to_sound_s": _seconds(seen["clickToSound"]),
