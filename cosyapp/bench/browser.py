@@ -68,6 +68,10 @@ class BrowserDriver:
         page = await context.new_page()
         await page.goto(self.base_url)
         await page.wait_for_selector(PLAYER, timeout=60_000)
+        # its script has run (it sets cosyPlayer last, after its click listener): clicks are timed
+        await page.wait_for_function(
+            f"() => document.querySelector({PLAYER!r}).cosyPlayer !== undefined", timeout=60_000
+        )
         # the page's session id arrives with demo.load; the voice is typed as an id (custom values allowed)
         await page.wait_for_function("() => document.querySelector('#voice input') !== null")
         await page.wait_for_timeout(300)
