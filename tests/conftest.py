@@ -50,3 +50,12 @@ def tiny_model(tiny_model_dir):
     from cosyapp.models.checkpoint import load_model
 
     return load_model(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def url(service):
+    """The app of the module's ``service`` fixture, served by uvicorn on a free loopback port."""
+    from cosyapp.web.server import build_app, serve_in_thread
+
+    with serve_in_thread(build_app(service)) as base:
+        yield base

@@ -12,10 +12,9 @@ import time
 
 import httpx
 import pytest
-from test_server import VOICE, make_service, requests_total, serving, wait_until
+from test_server import VOICE, make_service, requests_total, wait_until
 
 from cosyapp.modelgen.tiny import write_random_model
-from cosyapp.web.server import build_app
 
 TEXT = "Hello there, how are you today? I am fine, thanks. " * 8  # minutes of audio on the endless model
 STOPS_WITHIN_S = 1.0
@@ -30,12 +29,6 @@ def endless_service(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return endless_service(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with serving(build_app(service)) as base:
-        yield base
 
 
 def idle(service) -> bool:

@@ -16,12 +16,11 @@ import httpx
 import numpy as np
 import pytest
 from openai import BadRequestError, OpenAI
-from test_server import LONG, SHORT, VOICE, make_service, serving
+from test_server import LONG, SHORT, VOICE, make_service
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 from cosyapp.codec import MEDIA_TYPES  # noqa: E402
-from cosyapp.web.server import build_app  # noqa: E402
 
 RATE = 24_000
 MP3_DELAY = 576 + 529  # LAME's encoder delay and the MP3 decoder's
@@ -41,12 +40,6 @@ COMPRESSED = ["mp3", "opus", "aac", "flac"]
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return make_service(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with serving(build_app(service)) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,9 @@ import time
 import httpx
 import pytest
 from test_api_disconnect import endless_service, idle
-from test_server import VOICE, serving, wait_until
+from test_server import VOICE, wait_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
-
-from cosyapp.web.server import build_app
 
 SENTENCES = ["Hello there.", "How are you today?", "I am fine, thanks.", "See you soon!"]
 TEXT = " ".join(SENTENCES)
@@ -25,12 +23,6 @@ SAMPLES_PER_TOKEN = 960  # 24 kHz audio, 25 speech tokens per second
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return endless_service(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with serving(build_app(service)) as base:
-        yield base
 
 
 def pcm_samples(url: str, text: str) -> int:

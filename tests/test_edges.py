@@ -10,12 +10,11 @@ import httpx
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
-from test_server import make_service, serving, wait_until
+from test_server import make_service, wait_until
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 from cosyapp.web.api_errors import INTERNAL_ERROR  # noqa: E402
-from cosyapp.web.server import build_app  # noqa: E402
 from cosyapp.web.ui.events import INTERNAL_ERROR as UI_INTERNAL_ERROR  # noqa: E402
 
 MAX_CHARS = 60
@@ -27,12 +26,6 @@ BUG = "CUDA error: device-side assert triggered in /opt/secret/kernel.cu"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return make_service(tmp_path_factory, max_text_chars=MAX_CHARS)
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with serving(build_app(service)) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

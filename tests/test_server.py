@@ -45,12 +45,6 @@ def service(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(service):
-    with serving(build_app(service)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def client(url):
     with httpx.Client(base_url=url, timeout=120) as client:
         yield client
