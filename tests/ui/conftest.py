@@ -4,6 +4,7 @@ import os
 import shutil
 import socket
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,28 +47,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ui(tmp_path_factory):
-    """The app over the tiny model, launched as users get it (queue, batching, launch options)."""
+@contextmanager
+def launched_ui(home: Path, **overrides):
+    """The app over the tiny model in ``home``, launched as users get it (queue, batching, launch
+    options); ``overrides``: Settings fields beside the test defaults."""
     from cosyapp.service import build_service
     from cosyapp.settings import Settings
     from cosyapp.web.ui import build_demo, launch_options
 
-    home = tmp_path_factory.mktemp("ui")
-    settings = Settings(
-        demo=True,
-        cache_dir=home / "cache",
-        data_dir=home / "data",
-        engine="torch",
-        device="cpu",
-        max_streams=8,
-    )
-    service = build_service(settings)
+    options = {"demo": True, "engine": "torch", "device": "cpu", "max_streams": 8, **overrides}
+    service = build_service(Settings(cache_dir=home / "cache", data_dir=home / "data", **options))
     demo = build_demo(service)
     port = free_port()
     demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, **launch_options(demo))
-    yield RunningUI(service, demo, f"http://127.0.0.1:{port}/")
-    demo.close()
+    try:
+        yield RunningUI(service, demo, f"http://127.0.0.1:{port}/")
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="session")
+def ui(tmp_path_factory):
+    """The app every page test shares."""
+    with launched_ui(tmp_path_factory.mktemp("ui")) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 stats under the player (engine/budget.py), here on an app whose requests may make 1 s of audio."""
 
 import pytest
-from conftest import free_port
+from conftest import launched_ui
 from gradio_client import Client
 
 LONG = "Hello there. How are you today? Fine thanks, and you? " * 3
@@ -10,25 +10,8 @@ LONG = "Hello there. How are you today? Fine thanks, and you? " * 3
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from cosyapp.service import build_service
-    from cosyapp.settings import Settings
-    from cosyapp.web.ui import build_demo, launch_options
-
-    home = tmp_path_factory.mktemp("ui-budget")
-    settings = Settings(
-        demo=True,
-        cache_dir=home / "cache",
-        data_dir=home / "data",
-        engine="torch",
-        device="cpu",
-        max_streams=2,
-        max_request_audio_s=1.0,
-    )
-    demo = build_demo(build_service(settings))
-    port = free_port()
-    demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, **launch_options(demo))
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+    with launched_ui(tmp_path_factory.mktemp("ui-budget"), max_streams=2, max_request_audio_s=1.0) as running:
+        yield running.url
 
 
 def test_a_streamed_request_past_its_budget_ends_with_the_note_in_the_stats(url):
