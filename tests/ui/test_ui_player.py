@@ -1,6 +1,7 @@
 """The page's streaming player in headless Chromium: raw PCM through Gradio's queue, played by an
 AudioWorklet. The worklet reports every clip sample it writes to the output
-(``window.cosyappCapturePlayback``), so the tests compare what the page played with the download."""
+(``window.cosyappCapturePlayback``), so the tests compare what the page played with the download; the
+fallback for pages without AudioWorklet reports every chunk it schedules."""
 
 import base64
 import io
@@ -16,6 +17,10 @@ from cosyapp.web.ui.player import PlayerFeed
 LONG_TEXT = "今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。明天早上再去跑步。"
 TEXT = "今天天气很好。我们去公园散步吧。"
 PLAYER = "#player .cosy-player"
+
+
+# A page where AudioWorklet is missing, as on plain http from another host (not a secure context).
+NO_WORKLET = "Object.defineProperty(BaseAudioContext.prototype, 'audioWorklet', { get: () => undefined })"
 
 
 def open_player(page, ui):
@@ -85,7 +90,20 @@ def test_the_page_plays_every_sample_once_in_order(page, ui):
     wait_for_state(page, "ended")
     played, clip = played_samples(page), downloaded_samples(page, ui)
     assert len(clip) > 24_000 and len(report(page)["arrivals"]) >= 2
-    assert len(played) == len(clip)
+    assert len(played) == len(clip) and report(page)["output"] == "worklet"
+    assert np.array_equal(played, clip)
+
+
+def test_without_audioworklet_the_scheduled_fallback_plays_every_sample_once_in_order(page, ui):
+    page.add_init_script(NO_WORKLET)
+    open_player(page, ui)
+    generate(page, TEXT, seed=2)
+    wait_for_state(page, "ended")
+    seen = report(page)
+    played, clip = played_samples(page), downloaded_samples(page, ui)
+    assert seen["output"] == "scheduled" and len(seen["arrivals"]) >= 2
+    assert 0 < seen["serverTtfa"] < seen["clickToSound"]
+    assert len(played) == len(clip) > 24_000
     assert np.array_equal(played, clip)
 
 

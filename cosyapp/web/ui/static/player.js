@@ -114,6 +114,7 @@ function workletOutput(node) {
   };
   const send = (message, transfer) => node.port.postMessage(message, transfer || []);
   return {
+    kind: "worklet",
     reset: () => send({ type: "reset" }),
     chunk: (samples) => send({ type: "chunk", samples }, [samples.buffer]),
     end: () => send({ type: "end" }),
@@ -147,6 +148,7 @@ function scheduledOutput() {
     source.connect(gain);
     source.start(next);
     sources.push(source);
+    if (window.cosyappCapturePlayback) captured.push(samples);
     if (!heard) {
       const i = samples.findIndex((x) => Math.abs(x) >= 0.5 / 32768);
       if (i >= 0) {
@@ -180,6 +182,7 @@ function scheduledOutput() {
     } else events.position(Math.max(0, position), false);
   }, 50);
   return {
+    kind: "scheduled",
     reset: () => {
       stopAll();
       queued = 0;
@@ -374,8 +377,9 @@ function base64Of(chunks) {
 
 root.cosyPlayer = {
   // what happened in the current run: the bench's and the tests' window into the player
-  report: () => ({ run, state, received, played, done: ended, arrivals, ...measured }),
-  // the 16-bit samples the worklet wrote to the output, base64 (window.cosyappCapturePlayback = true)
+  report: () => ({ run, state, received, played, done: ended, arrivals, output: output && output.kind, ...measured }),
+  // the 16-bit samples the worklet wrote to the output, or the fallback scheduled, base64
+  // (window.cosyappCapturePlayback = true)
   captured: () => base64Of(captured),
 };
 setState("idle");
