@@ -56,6 +56,14 @@ class FairAdmission:
         """Requests waiting for a slot."""
         return sum(len(q) for q in self._queues.values())
 
+    def room(self, client: Hashable | None) -> int:
+        """Streams ``client`` could start now without waiting: the slots free beyond the requests
+        already waiting, at most what its own cap leaves it. What a group of requests from one
+        client (the page's compare) checks before it starts, so it runs whole or not at all."""
+        free = self.max_streams - self.active - self.waiting
+        running = 0 if client is None else self._running.get(client, 0)
+        return max(0, min(free, self.max_client_streams - running))
+
     def clients(self) -> int:
         """Clients with a stream running or a request waiting."""
         return len(self._running.keys() | self._queues.keys())

@@ -16,6 +16,8 @@ import gradio as gr
 
 from cosyapp.engine.request import MAX_SPEED, MIN_SPEED
 from cosyapp.service import Service
+from cosyapp.web.ui.compare import CSS as COMPARE_CSS
+from cosyapp.web.ui.compare import CompareSection, wire_compare
 from cosyapp.web.ui.events import RECORDING, Handlers
 from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
@@ -199,6 +201,7 @@ def build_demo(service: Service) -> gr.Blocks:
                 download = gr.File(
                     label="Download the whole clip (WAV)", interactive=False, height=90, elem_id="download"
                 )
+        compare = CompareSection.build(voices, service.pipeline.sample_rate)
         build_panel(service.pipeline.metrics)
 
         form = SpeechForm.inputs(
@@ -247,6 +250,9 @@ def build_demo(service: Service) -> gr.Blocks:
             stop=stop,
             concurrency={"concurrency_limit": speak_jobs(service), "concurrency_id": "speak"},
         )
+        wire_compare(
+            handlers, compare, form, {"concurrency_limit": speak_jobs(service), "concurrency_id": "speak"}
+        )
         text.change(
             None,
             text,
@@ -290,7 +296,7 @@ def mount_options(demo: gr.Blocks) -> dict:
     No ``allowed_paths``: Gradio serves only its own upload and cache folders."""
     return {
         "theme": THEME,
-        "css": CSS,
+        "css": CSS + COMPARE_CSS,
         "run_history": False,
         "max_file_size": demo.max_file_size,
         "auth": demo.auth,
