@@ -111,6 +111,28 @@ def test_compare_of_three_voices_gives_three_clips_from_one_engine_batch_each_as
     assert not np.array_equal(clips[0][: len(clips[1])], clips[1][: len(clips[0])])
 
 
+def test_stop_ends_every_rows_stream(page, ui):
+    health = ui.service.pipeline.health
+    open_compare(page, ui)
+    page.locator("#text textarea").fill(LONG_TEXT)
+    page.locator("#compare-go").click()
+    page.wait_for_function(
+        "() => [1, 2, 3].every((i) => Number("
+        "document.querySelector(`#compare-player-${i} .cosy-player`).dataset.received || 0) > 0)",
+        timeout=120_000,
+    )
+    assert health()["active_streams"] == 3
+    page.locator("#compare-stop").click()
+    deadline = time.monotonic() + 10
+    while health()["active_streams"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health()["active_streams"] == 0
+    for row in (1, 2, 3):
+        player = page.locator(f"#compare-player-{row} .cosy-player")
+        assert player.get_attribute("data-state") == "stopped"
+        assert player.get_attribute("data-done") == "false"
+
+
 def test_a_bad_row_fails_only_its_own_player(client):
     rows = [
         ("en-espeak-us", "zero_shot", ""),

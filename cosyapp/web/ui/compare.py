@@ -8,6 +8,11 @@ with the modes' rules (``ModeHandlers.request``) and runs the rows' ``Pipeline.s
 merging their chunks, so their LM requests decode in the same engine steps and their token2wav
 chunks share the worker's batches. A bad row fails only its own player, with its message.
 
+The rows' chunks are not forced into one worker step with ``Token2Wav.together``: it holds the
+shared worker, and with it every other stream playing on the server, until the rows' first chunks
+are queued (an LM's time to first audio); warm-up uses it on an idle engine. The rows decode in the
+same LM steps, so their chunks reach the worker close together and share its steps as they come.
+
 A compare of N rows holds N stream slots of one client (the page). It starts only when fair
 admission has room for all of them (``FairAdmission.room``): a busy server refuses the whole
 compare with a message rather than playing some rows and queueing others.
@@ -277,13 +282,19 @@ class CompareRows:
                             value=voice,
                             label=f"Voice {index}",
                             allow_custom_value=True,
+                            scale=2,
                             min_width=160,
                             elem_id=f"compare-voice-{index}",
                         )
                     )
                 )
                 mode = gr.Dropdown(
-                    MODES, value=ZERO_SHOT, label="Mode", min_width=120, elem_id=f"compare-mode-{index}"
+                    MODES,
+                    value=ZERO_SHOT,
+                    label="Mode",
+                    scale=1,
+                    min_width=120,
+                    elem_id=f"compare-mode-{index}",
                 )
                 self.modes.append(hand_on(mode))
             instruction = gr.Textbox(
