@@ -4,7 +4,7 @@ The UI and the HTTP API both take a ``Service``; neither touches torch.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyapp.asr.transcriber import Transcriber
@@ -12,6 +12,7 @@ from cosyapp.engine.build import build_pipeline
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.frontend.voices import VoiceLibrary
 from cosyapp.models.checkpoint import ModelFolderError, load_model, resolve_model_dir
+from cosyapp.previews import VoicePreviews
 from cosyapp.settings import DEFAULT_REPO, Settings
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Service:
     """The shared state of the process. ``demo_reason`` is set (and shown in the page) when the
-    model has random weights, saying why. ``asr`` transcribes voice prompts (None: ``--no-asr``)."""
+    model has random weights, saying why. ``asr`` transcribes voice prompts (None: ``--no-asr``).
+    ``previews`` makes and keeps each voice's preview through the same Pipeline."""
 
     settings: Settings
     pipeline: Pipeline
@@ -28,6 +30,10 @@ class Service:
     model_dir: Path
     demo_reason: str | None = None
     asr: Transcriber | None = None
+    previews: VoicePreviews = field(init=False)
+
+    def __post_init__(self):
+        self.previews = VoicePreviews(self.pipeline, self.voices, self.model_dir, self.settings.data_dir)
 
 
 def demo_model(settings: Settings) -> Path:

@@ -16,6 +16,8 @@ import shutil
 import threading
 import unicodedata
 import uuid
+import wave
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ class VoiceInfo:
     language: str = ""
     note: str = ""
     shared: bool = True
+    licence: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ class VoiceLibrary:
         self._computing: dict[str, Future[VoiceFeatures]] = {}  # by content hash
         self._builtin = _read_builtin(assets_dir)
         self._model = _read_spk2info(spk2info) if spk2info and spk2info.is_file() else {}
+        # Called with each saved voice's listing and owner (the voice previews queue it).
+        self.on_saved: list[Callable[[VoiceInfo, str | None], None]] = []
 
     def features_of(self, audio: "PromptAudio") -> VoiceFeatures:
         """Features of a recording, computed once per distinct content and then read from the cache.
@@ -219,6 +224,40 @@ class VoiceLibrary:
             + [_user_info(meta) for meta in sorted(users, key=lambda m: m["name"].lower())]
         )
 
+    def info(self, voice_id: str, owner: str | None = None) -> VoiceInfo:
+        """The listing of ``voice_id`` as the browser keyed ``owner`` sees it (None: as the HTTP API
+        does), without loading the voice. Raises ``VoiceNotFoundError``."""
+        if voice_id in self._builtin:
+            return self._builtin[voice_id][0]
+        if voice_id in self._model:
+            return self._model[voice_id].info
+        return _user_info(self._visible_meta(voice_id, owner))
+
+    def owned_ids(self, owner: str | None) -> set[str]:
+        """The ids of the voices the browser keyed ``owner`` saved, shared or not (none without one)."""
+        return set() if owner is None else {m["id"] for m in self._user_metas() if m["owner"] == owner}
+
+    def owner_of(self, voice_id: str) -> str | None:
+        """The owner of a saved voice (its saver's key; None: saved through the HTTP API); None for
+        any other id."""
+        meta = self._user_meta(voice_id)
+        return None if meta is None else meta["owner"]
+
+    def prompt_seconds(self, voice_id: str) -> float:
+        """The length of a voice's prompt recording in seconds, read from the file's header (a model
+        speaker's from its prompt tokens, 25 a second); 0.0 for a voice saved without its recording."""
+        if voice_id in self._model:
+            return len(self._model[voice_id].features.speech_tokens) / 25
+        path = (
+            self._builtin[voice_id][1]
+            if voice_id in self._builtin
+            else self.user_dir / voice_id / PROMPT_FILE
+        )
+        if path.suffix != ".wav" or not path.is_file():
+            return 0.0
+        with wave.open(str(path)) as reader:
+            return reader.getnframes() / reader.getframerate()
+
     def get(self, voice_id: str, session: str | None = None) -> Voice:
         """The voice ``voice_id`` as ``session`` sees it. Raises ``VoiceNotFoundError``."""
         if voice_id in self._builtin:
@@ -228,9 +267,7 @@ class VoiceLibrary:
             return Voice(info, self.features_of(load_prompt_audio(audio_path)), prompt_text=transcript)
         if voice_id in self._model:
             return self._model[voice_id]
-        meta = self._user_meta(voice_id)
-        if meta is None or not (meta["shared"] or meta["owner"] == session):
-            raise VoiceNotFoundError(voice_id)
+        meta = self._visible_meta(voice_id, session)
         features = VoiceFeatures.load(self.features_dir / f"{meta['features']}.safetensors")
         return Voice(_user_info(meta), features, prompt_text=meta["prompt_text"])
 
@@ -268,9 +305,25 @@ class VoiceLibrary:
         folder = self.user_dir / meta["id"]
         folder.mkdir()
         (folder / PROMPT_FILE).write_bytes(wav(recording.samples, recording.sample_rate))
-        tmp = folder / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
-        tmp.replace(folder / "meta.json")
+        _write_meta(folder, meta)
+        info = _user_info(meta)
+        for listener in self.on_saved:
+            listener(info, session)
+        return info
+
+    def update(
+        self, voice_id: str, owner: str | None, name: str | None = None, shared: bool | None = None
+    ) -> VoiceInfo:
+        """Rename a voice saved by ``owner`` and/or share it or make it private again; returns its
+        new listing. Raises ``VoiceNotFoundError`` for any other id, ``VoiceError`` for an empty name."""
+        meta = self._user_meta(voice_id)
+        if meta is None or owner is None or meta["owner"] != owner:
+            raise VoiceNotFoundError(voice_id)
+        if name is not None:
+            meta["name"] = sanitize_name(name)
+        if shared is not None:
+            meta["shared"] = shared
+        _write_meta(self.user_dir / voice_id, meta)
         return _user_info(meta)
 
     def delete(self, voice_id: str, session: str | None) -> None:
@@ -293,13 +346,19 @@ class VoiceLibrary:
             return load_prompt_audio(self._builtin[voice_id][1])
         if voice_id in self._model:
             raise VoiceError(f"Voice {voice_id!r} comes from the model folder without its recording.")
-        meta = self._user_meta(voice_id)
-        if meta is None or not (meta["shared"] or meta["owner"] == session):
-            raise VoiceNotFoundError(voice_id)
+        self._visible_meta(voice_id, session)
         path = self.user_dir / voice_id / PROMPT_FILE
         if not path.is_file():
             raise VoiceError(f"Voice {voice_id!r} was saved before recordings were kept with voices.")
         return load_prompt_audio(path)
+
+    def _visible_meta(self, voice_id: str, owner: str | None) -> dict:
+        """A saved voice's meta when the browser keyed ``owner`` may use it (shared, or its own);
+        else raises ``VoiceNotFoundError``: one rule for loading, recordings and previews."""
+        meta = self._user_meta(voice_id)
+        if meta is None or not (meta["shared"] or meta["owner"] == owner):
+            raise VoiceNotFoundError(voice_id)
+        return meta
 
     def _user_meta(self, voice_id: str) -> dict | None:
         if not re.fullmatch(r"user-[0-9a-f]{12}", voice_id):
@@ -311,6 +370,12 @@ class VoiceLibrary:
         return [
             json.loads(p.read_text(encoding="utf-8")) for p in sorted(self.user_dir.glob("user-*/meta.json"))
         ]
+
+
+def _write_meta(folder: Path, meta: dict) -> None:
+    tmp = folder / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+    tmp.replace(folder / "meta.json")
 
 
 def _user_info(meta: dict) -> VoiceInfo:
@@ -332,7 +397,12 @@ def _read_builtin(assets_dir: Path) -> dict[str, tuple[VoiceInfo, Path, str]]:
         meta = json.loads(path.read_text(encoding="utf-8"))
         note = meta["source"] + (" (synthetic voice)" if meta.get("synthetic") else "")
         info = VoiceInfo(
-            id=path.stem, name=meta["name"], kind="builtin", language=meta["language"], note=note
+            id=path.stem,
+            name=meta["name"],
+            kind="builtin",
+            language=meta["language"],
+            note=note,
+            licence=meta.get("licence", ""),
         )
         voices[path.stem] = (info, assets_dir / meta["audio"], meta["transcript"])
     return voices

@@ -8,6 +8,7 @@
     POST /v1/audio/voices, GET /v1/audio/voices/{id}[/audio], POST /v1/audio/transcriptions
                             voices from uploads and their transcription (voices_api.py)
     POST /v1/audio/conversions   voice conversion: a recording's speech in a voice (conversion.py)
+    GET  /v1/audio/voices/{id}/preview, /voice-previews   a voice's preview (previews.py)
     WS   /v1/audio/speech/stream   text deltas in, each sentence's audio out as it is made (ws.py)
 
 In front of the routes, outermost first: ``RequestIds`` (X-Request-Id, one log line per request),
@@ -40,6 +41,7 @@ from cosyapp.web.api_errors import HANDLERS, ApiRoute
 from cosyapp.web.api_guard import ApiGuard, max_body_bytes, upload_body_bytes
 from cosyapp.web.conversion import CONVERSION_PATH, conversion_route
 from cosyapp.web.cors import ApiCors
+from cosyapp.web.previews import preview_routes
 from cosyapp.web.request_ids import RequestIds
 from cosyapp.web.route_guard import RouteGuard
 from cosyapp.web.speech import speech_route
@@ -160,9 +162,11 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
             await start.task
         else:
             start.task.add_done_callback(_log_start_failure)
+        await service.previews.start()  # made while the engines are otherwise idle
         try:
             yield
         finally:
+            await service.previews.stop()
             start.task.cancel()
             await asyncio.wait([start.task])
             await pipeline.shutdown()
@@ -175,6 +179,7 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
         ApiRoute("/v1/audio/voices", voices_route(service), methods=["GET"]),
         ApiRoute("/v1/audio/voices/{voice_id}", delete_voice_route(service), methods=["DELETE"]),
         *voice_routes(service),
+        *preview_routes(service),
         ApiRoute(CONVERSION_PATH, conversion_route(service), methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_route(service)),
     ]
