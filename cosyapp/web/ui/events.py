@@ -136,8 +136,7 @@ class Handlers:
         """Save the recording as a named voice; returns the updated speaker control and a cleared name."""
         with toasts():
             prompt_text, session = as_text(prompt_text, "transcript"), as_text(session, "session")
-            if not isinstance(shared, bool):
-                raise UserError(f"“Share with everyone” must be true or false, got {shown(shared)}.")
+            check_shared(shared)
             if recording is None:
                 raise VoiceError("Upload or record a voice prompt first.")
             audio = self.recording_audio(recording)
@@ -150,20 +149,29 @@ class Handlers:
         control with its first voice selected."""
         with toasts():
             voice_id, session = as_text(voice_id, "voice"), as_text(session, "session")
-            listed = {info.id: info for info in self.voices.list_voices(session or None)}
-            info = listed.get(voice_id)
-            if info is None or info.kind != "user":
-                raise VoiceError("Pick one of your saved voices to delete; the others come with the server.")
-            if not session:  # without one, delete would act for the HTTP API: any shared voice
-                raise VoiceError("Open the page in a browser to delete the voices it saved.")
-            try:
-                self.voices.delete(voice_id, session)
-            except VoiceNotFoundError:
-                message = f"“{info.name}” was saved in another browser; only that browser can delete it."
-                raise VoiceError(message) from None
+            info = self.own_voice(voice_id, session, "delete", self.voices.delete)
         gr.Info(f"Deleted “{info.name}”.")
         choices = self.voice_choices(session)
         return gr.update(choices=choices, value=choices[0][1])
+
+    def own_voice(
+        self, voice_id: str, session: str, action: str, change: Callable[[str, str], object]
+    ) -> VoiceInfo:
+        """Apply ``change(voice_id, session)`` to a voice this browser saved (``action`` names it in
+        the messages: delete, rename, share); returns the voice's listing before the change. Raises
+        a ``VoiceError`` for a voice of the server, of another browser, or without a browser."""
+        listed = {info.id: info for info in self.voices.list_voices(session or None)}
+        info = listed.get(voice_id)
+        if info is None or info.kind != "user":
+            raise VoiceError(f"Pick one of your saved voices to {action}; the others come with the server.")
+        if not session:  # without one, delete would act for the HTTP API: any shared voice
+            raise VoiceError(f"Open the page in a browser to {action} the voices it saved.")
+        try:
+            change(voice_id, session)
+        except VoiceNotFoundError:
+            message = f"“{info.name}” was saved in another browser; only that browser can {action} it."
+            raise VoiceError(message) from None
+        return info
 
     def voice(self, voice_id: str, recording: str | None, prompt_text: str, session: str) -> Voice:
         """The voice chosen in the form. Raises a VoiceError (VoiceNotFoundError for an unknown id)."""
@@ -288,6 +296,13 @@ class Handlers:
 
 async def _given(value: object) -> object:
     return value
+
+
+def check_shared(shared: object) -> bool:
+    """``shared`` as sent by a client, if it is a bool; raises a ``UserError`` otherwise."""
+    if not isinstance(shared, bool):
+        raise UserError(f"“Share with everyone” must be true or false, got {shown(shared)}.")
+    return shared
 
 
 def voice_label(info: VoiceInfo) -> str:

@@ -20,6 +20,7 @@ from cosyapp.web.ui.compare import CSS as COMPARE_CSS
 from cosyapp.web.ui.compare import CompareSection, wire_compare
 from cosyapp.web.ui.events import RECORDING, Handlers
 from cosyapp.web.ui.form import SpeechForm
+from cosyapp.web.ui.gallery import Gallery, voice_gallery, wire_gallery
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
 from cosyapp.web.ui.modes import ModeTabs, tag_buttons, wire_modes
 from cosyapp.web.ui.panel import build_panel
@@ -202,6 +203,8 @@ def build_demo(service: Service) -> gr.Blocks:
                     label="Download the whole clip (WAV)", interactive=False, height=90, elem_id="download"
                 )
         compare = CompareSection.build(voices, service.pipeline.sample_rate)
+        with gr.Accordion("Voice gallery", open=True, elem_id="gallery-box"):
+            gallery = voice_gallery(elem_id="gallery")
         build_panel(service.pipeline.metrics)
 
         form = SpeechForm.inputs(
@@ -265,19 +268,21 @@ def build_demo(service: Service) -> gr.Blocks:
         notes = [prepared_note, transcript_note]
         prompt_parts = [recording, other_file, voice, prompt_text, preview, *notes]
         wire_prompt(PromptHandlers(service), *prompt_parts, voice_jobs)
-        save.click(
+        saved = save.click(
             handlers.save_voice,
             [voice_name, recording, prompt_text, shared, session],
             [voice, voice_name],
             **voice_jobs,
         )
-        delete.click(handlers.delete_voice, [voice, session], voice, **voice_jobs)
+        deleted = delete.click(handlers.delete_voice, [voice, session], voice, **voice_jobs)
 
         def open_session(stored: str) -> tuple[str, str, dict]:
             key = stored or secrets.token_hex(16)
             return key, key, gr.update(choices=handlers.voice_choices(key))
 
-        demo.load(open_session, browser, [browser, session, voice], queue=False, api_name=False)
+        opened = demo.load(open_session, browser, [browser, session, voice], queue=False, api_name=False)
+        gallery_events = [opened, saved, deleted]
+        wire_gallery(Gallery(service, handlers), gallery, voice, session, gallery_events, voice_jobs)
 
     demo.max_threads = max_threads(service)
     # Read back by mount_options: launch and mount set both from their arguments.
