@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import gradio as gr
 import httpx
 import pytest
 from test_server import wait_until
@@ -16,6 +17,8 @@ from cosyapp.frontend.voices import ASSETS_VOICES
 from cosyapp.service import build_service
 from cosyapp.settings import Settings
 from cosyapp.web.server import build_app, serve_in_thread
+from cosyapp.web.ui.events import Handlers
+from cosyapp.web.ui.gallery import Gallery
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 CARDS = "#gallery .cg-card"
@@ -170,6 +173,30 @@ def test_a_private_voice_is_renamed_and_shared_from_its_card_and_hidden_from_oth
     finally:
         owner.close()
         other.close()
+
+
+def test_the_card_actions_refuse_a_voice_of_another_browser_or_of_the_server(site, recording):
+    gallery = Gallery(site.service, Handlers(site.service))
+    info = site.service.voices.save("Someone else's voice", recording[0], recording[1], "a" * 32, shared=True)
+
+    def event(**data) -> gr.EventData:
+        return gr.EventData(None, {"voice": info.id} | data)
+
+    with pytest.raises(gr.Error, match="saved in another browser; only that browser can rename it"):
+        gallery.rename("b" * 32, event(name="Taken over"))
+    with pytest.raises(gr.Error, match="only that browser can share it"):
+        gallery.share("b" * 32, event(shared=False))
+    with pytest.raises(gr.Error, match="only that browser can delete it"):
+        gallery.delete("b" * 32, event())
+    with pytest.raises(
+        gr.Error, match="Pick one of your saved voices to share; the others come with the server"
+    ):
+        gallery.share("b" * 32, gr.EventData(None, {"voice": "en-espeak-us", "shared": False}))
+    with pytest.raises(gr.Error, match="must be true or false"):
+        gallery.share("a" * 32, event(shared="yes"))
+    assert site.service.voices.info(info.id) == info  # unchanged, still shared
+    listing, _ = gallery.rename("a" * 32, event(name="Its owner renamed it"))
+    assert {c["name"] for c in listing["voices"] if c["id"] == info.id} == {"Its owner renamed it"}
 
 
 @pytest.fixture(scope="module")
