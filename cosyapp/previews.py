@@ -92,7 +92,7 @@ class VoicePreviews:
         self.shared_dir = data_dir / "previews"
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self.made = 0
-        self._key = secrets.token_bytes(32)  # signs the page's URLs; a restart re-signs them
+        self._key = _url_key(self.shared_dir / "url-key")  # kept: URLs stay valid across restarts
         self._making: dict[str, asyncio.Future[bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: asyncio.Queue[tuple[str, str | None]] | None = None
@@ -241,6 +241,14 @@ class VoicePreviews:
         while admission.active or admission.waiting:  # users first
             await asyncio.sleep(IDLE_POLL_S)
         await self.audio(voice_id, owner)
+
+
+def _url_key(path: Path) -> bytes:
+    """The key that signs the page's URLs, made once and kept readable by this user only."""
+    if not path.is_file():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return bytes.fromhex(path.read_text().strip())
 
 
 def _read_touched(path: Path) -> bytes | None:

@@ -63,8 +63,7 @@ function card(v) {
   if (v.note) item.append(make("div", "cg-note", v.note));
 
   const actions = make("div", "cg-row");
-  const play = button("cg-play", playing === v.id && !audio.paused ? "❚❚ Pause" : "▶ Preview",
-    `Play the preview of ${v.name}`);
+  const play = button("cg-play", PLAY_LABELS[item.dataset.state], `Play the preview of ${v.name}`);
   if (!v.ready) play.title = "Not made yet: the first play makes it (a few seconds)";
   actions.append(play, button("cg-use", "Use this voice"));
   item.append(actions);
@@ -110,11 +109,13 @@ function render() {
   $(".cg-pages").hidden = pages === 1;
 }
 
+const PLAY_LABELS = { idle: "▶ Preview", loading: "… Loading", playing: "❚❚ Pause", error: "⚠ Try again" };
+
 function setState(id, value) {
   const item = element.querySelector(`.cg-card[data-voice="${CSS.escape(id)}"]`);
   if (!item) return;
   item.dataset.state = value;
-  item.querySelector(".cg-play").textContent = value === "playing" ? "❚❚ Pause" : "▶ Preview";
+  item.querySelector(".cg-play").textContent = PLAY_LABELS[value];
 }
 
 function toggle(v) {
@@ -137,7 +138,11 @@ audio.addEventListener("ended", () => {
     setState(playing, "idle");
   }
 });
-audio.addEventListener("error", () => playing && setState(playing, "error"));
+audio.addEventListener("error", () => {
+  if (!playing) return;
+  setState(playing, "error");
+  trigger("refresh_voices"); // the voice may be gone, or its URL signed for another model
+});
 
 element.addEventListener("click", (event) => {
   const target = event.target.closest("button");
