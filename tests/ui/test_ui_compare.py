@@ -114,6 +114,26 @@ def test_compare_of_three_voices_gives_three_clips_from_one_engine_batch_each_as
     assert not np.array_equal(clips[0][: len(clips[1])], clips[1][: len(clips[0])])
 
 
+def finished_by_mode(ui, mode: str) -> int:
+    return sum(n for (name, _), n in ui.service.pipeline.metrics.by_mode.items() if name == mode)
+
+
+def test_rows_in_different_modes_each_reach_the_engine_in_their_mode(page, ui):
+    open_compare(page, ui)
+    page.locator("#text textarea").fill("今天天气真不错。")
+    before = {mode: finished_by_mode(ui, mode) for mode in ("zero_shot", "instruct2", "cross_lingual")}
+    assert not page.locator("#compare-instruction-2").is_visible()  # Clone takes no instruction
+    for row, label in ((2, "Instruct"), (3, "Cross-lingual")):
+        page.locator(f"#compare-mode-{row} input").click()
+        page.locator(f"#compare-mode-{row}").get_by_role("option", name=label, exact=True).click()
+    page.locator("#compare-instruction-2 textarea").fill("用四川话说这句话")
+    page.locator("#compare-go").click()
+    for row in (1, 2, 3):
+        wait_done(page, row)
+    after = {mode: finished_by_mode(ui, mode) for mode in before}
+    assert after == {mode: count + 1 for mode, count in before.items()}
+
+
 def test_stop_ends_every_rows_stream(page, ui):
     health = ui.service.pipeline.health
     open_compare(page, ui)
