@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -38,6 +39,9 @@ from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on
 from cosyapp.web.ui.modes import ModeHandlers
 from cosyapp.web.ui.player import PlayerFeed, stream_player
+
+if TYPE_CHECKING:  # the page's modules import no torch
+    from cosyapp.engine.pipeline import Pipeline
 
 MAX_ROWS = 4
 MODES = [("Clone", ZERO_SHOT), ("Cross-lingual", CROSS_LINGUAL), ("Instruct", INSTRUCT)]
@@ -97,11 +101,11 @@ class BatchesSeen:
     lm: int = 0
     flow: int = 0
 
-    def read(self, pipeline) -> None:
+    def read(self, pipeline: "Pipeline") -> None:
         self.lm = max(self.lm, pipeline.lm.stats().last_batch_size)
         self.flow = max(self.flow, pipeline.token2wav.stats().last_flow_batch)
 
-    async def watch(self, pipeline) -> None:
+    async def watch(self, pipeline: "Pipeline") -> None:
         """Read until cancelled."""
         while True:
             self.read(pipeline)
