@@ -134,6 +134,24 @@ def test_rows_in_different_modes_each_reach_the_engine_in_their_mode(page, ui):
     assert after == {mode: count + 1 for mode, count in before.items()}
 
 
+def test_a_voice_saved_on_the_page_can_be_compared(page, ui, recording):
+    path, transcript = recording
+    open_compare(page, ui)
+    page.locator("#own-voice").get_by_text("Your own voice").click()
+    page.locator("#recording input[type=file]").set_input_files(path)
+    page.locator("#prompt-text textarea").fill(transcript)
+    page.wait_for_function(
+        "() => document.querySelector('#voice input').value.startsWith('The recording below')", timeout=15_000
+    )
+    page.locator("#voice-name textarea, #voice-name input").first.fill("Compared voice")
+    page.locator("#save-voice").click()
+    page.get_by_text("Saved “Compared voice”").first.wait_for(timeout=30_000)
+    choose(page, 1, "Compared voice (yours)")
+    page.locator("#compare-go").click()
+    wait_done(page, 1)
+    assert STATS.search(page.locator("#compare-stats-1").inner_text().replace("*", ""))
+
+
 def test_stop_ends_every_rows_stream(page, ui):
     health = ui.service.pipeline.health
     open_compare(page, ui)

@@ -354,7 +354,8 @@ class CompareSection:
 def wire_compare(handlers: Handlers, section: CompareSection, form: dict, concurrency: dict) -> None:
     """``/compare`` on the Compare button (Stop cancels it); each row's outputs shown while it has a
     voice and its instruction while its mode is Instruct; the rows' voice lists refreshed with the
-    page's session (its saved voices). ``form``: the speech form's components by field name."""
+    page's session and whenever the speaker control changes (a voice saved or deleted). ``form``:
+    the speech form's components by field name."""
     rows = section.rows
     compare = CompareHandlers(handlers)
     running = section.go.click(
@@ -376,4 +377,6 @@ def wire_compare(handlers: Handlers, section: CompareSection, form: dict, concur
     def choices(session: str) -> list[dict]:
         return [gr.update(choices=[UNUSED, *handlers.voice_choices(session)]) for _ in rows.voices]
 
-    form["session"].change(choices, form["session"], rows.voices, **quiet)
+    # The speaker control changes with the session's first list and after a voice is saved or deleted.
+    for control in (form["session"], form["voice_id"]):
+        control.change(choices, form["session"], rows.voices, **quiet)
