@@ -11,6 +11,7 @@ ETag of the voice and model (``If-None-Match`` gets a 304); the API's URL names 
 revalidate (``no-cache``), while the page's names it and is kept by the browser for a day.
 """
 
+import asyncio
 import hashlib
 
 from fastapi import Request
@@ -47,7 +48,8 @@ def page_preview_route(service: Service):
         another model (the page lists the voices again when reloaded)."""
         if not service.previews.signed(voice, model, sig):
             raise VoiceNotFoundError(voice)
-        data = await service.previews.audio(voice, service.voices.owner_of(voice))
+        owner = await asyncio.to_thread(service.voices.owner_of, voice)
+        data = await service.previews.audio(voice, owner)
         return _answer(request, data, _etag(service, voice), f"private, max-age={PAGE_MAX_AGE_S}")
 
     return page_preview

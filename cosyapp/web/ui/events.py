@@ -155,19 +155,19 @@ class Handlers:
         return gr.update(choices=choices, value=choices[0][1])
 
     def own_voice(
-        self, voice_id: str, session: str, action: str, change: Callable[[str, str], object]
+        self, voice_id: str, owner: str, action: str, change: Callable[[str, str], object]
     ) -> VoiceInfo:
-        """Apply ``change(voice_id, session)`` to a voice this browser saved (``action`` names it in
+        """Apply ``change(voice_id, owner)`` to a voice this browser saved (``action`` names it in
         the messages: delete, rename, share); returns the voice's listing before the change. Raises
         a ``VoiceError`` for a voice of the server, of another browser, or without a browser."""
-        listed = {info.id: info for info in self.voices.list_voices(session or None)}
+        listed = {info.id: info for info in self.voices.list_voices(owner or None)}
         info = listed.get(voice_id)
         if info is None or info.kind != "user":
             raise VoiceError(f"Pick one of your saved voices to {action}; the others come with the server.")
-        if not session:  # without one, delete would act for the HTTP API: any shared voice
+        if not owner:  # without one, delete would act for the HTTP API: any shared voice
             raise VoiceError(f"Open the page in a browser to {action} the voices it saved.")
         try:
-            change(voice_id, session)
+            change(voice_id, owner)
         except VoiceNotFoundError:
             message = f"“{info.name}” was saved in another browser; only that browser can {action} it."
             raise VoiceError(message) from None
