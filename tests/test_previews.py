@@ -112,12 +112,14 @@ def test_a_private_voice_is_previewed_only_through_its_pages_signed_url(http, se
     assert http.get(url.replace(service.previews.fingerprint, "0" * 16)).status_code == 404
 
 
+def save_voice(http, name: str) -> dict:
+    """A shared voice saved through the API from the AISHELL recording."""
+    files = {"file": ("aishell.wav", AISHELL.read_bytes())}
+    return http.post("/v1/audio/voices", data={"name": name, "transcript": AISHELL_TEXT}, files=files).json()
+
+
 def test_deleting_a_voice_deletes_its_previews(http, service):
-    made = http.post(
-        "/v1/audio/voices",
-        data={"name": "Shared preview voice", "transcript": AISHELL_TEXT},
-        files={"file": ("aishell.wav", AISHELL.read_bytes())},
-    ).json()
+    made = save_voice(http, "Shared preview voice")
     assert http.get(f"/v1/audio/voices/{made['id']}/preview").status_code == 200
     path = service.previews.path(made["id"])
     assert path.is_file() and path.parent.name == made["id"]
@@ -127,11 +129,7 @@ def test_deleting_a_voice_deletes_its_previews(http, service):
 
 
 def test_a_voice_saved_through_the_api_gets_its_preview_in_the_background(http, service):
-    made = http.post(
-        "/v1/audio/voices",
-        data={"name": "Background preview voice", "transcript": AISHELL_TEXT},
-        files={"file": ("aishell.wav", AISHELL.read_bytes())},
-    ).json()
+    made = save_voice(http, "Background preview voice")
     wait_until(lambda: service.previews.ready(made["id"]), timeout=120)
     started = service.pipeline.metrics.snapshot()["requests"]
     assert http.get(f"/v1/audio/voices/{made['id']}/preview").status_code == 200
