@@ -36,7 +36,9 @@ def http(url):
 
 @pytest.fixture(scope="module")
 def ui(url):
-    return Client(url, download_files=False, verbose=False)
+    client = Client(url, download_files=False, verbose=False)
+    yield client
+    client.close()
 
 
 def api_error(http, **changes) -> tuple[int, dict]:
@@ -132,4 +134,6 @@ def test_fair_admission_keys_streams_by_page_session_else_by_gradio_session(url,
     finally:
         for job in jobs:
             job.cancel()
+        for caller in callers:
+            caller.close()
     wait_until(lambda: health()["active_streams"] == 0)

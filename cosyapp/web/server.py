@@ -246,7 +246,9 @@ def serve_in_thread(app: FastAPI, start_timeout_s: float = 60.0) -> Iterator[str
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # Connections a client left open (an event stream, a keep-alive) get a few seconds, then closed.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
