@@ -11,7 +11,8 @@ import pytest
 from cosyapp.asr import LANGUAGES, Transcriber, TranscriptionUnavailableError
 from cosyapp.asr.transcriber import TINY_FOLDER, available
 from cosyapp.frontend.audio import PromptAudio, load_prompt_audio
-from cosyapp.frontend.voices import ASSETS_VOICES, check_prompt_text
+from cosyapp.frontend.voice_rules import check_prompt_text
+from cosyapp.frontend.voices import ASSETS_VOICES
 from cosyapp.modelgen.tiny_asr import write_tiny_asr_model
 from cosyapp.settings import DEFAULT_ASR_REPO
 

@@ -24,7 +24,8 @@ from cosyapp.frontend.audio import (
     load_prompt_audio,
 )
 from cosyapp.frontend.voice import VoiceFrontend
-from cosyapp.frontend.voices import ASSETS_VOICES, PromptTextError, VoiceLibrary, check_prompt_text
+from cosyapp.frontend.voice_rules import PromptTextError, check_prompt_text
+from cosyapp.frontend.voices import ASSETS_VOICES, VoiceLibrary
 
 AISHELL = ASSETS_VOICES / "zh-aishell-w0121.wav"
 AISHELL_TEXT = "甚至出现交易几乎停滞的情况"

@@ -10,7 +10,8 @@ import torch
 
 from cosyapp.frontend.audio import AudioTooShortError
 from cosyapp.frontend.voice import VoiceFrontend
-from cosyapp.frontend.voices import ASSETS_VOICES, VoiceLibrary, VoiceNotFoundError, sanitize_name
+from cosyapp.frontend.voice_rules import sanitize_name
+from cosyapp.frontend.voices import ASSETS_VOICES, VoiceLibrary, VoiceNotFoundError
 
 AISHELL = ASSETS_VOICES / "zh-aishell-w0121.wav"
 AISHELL_TEXT = "甚至出现交易几乎停滞的情况"

@@ -13,7 +13,7 @@ carrying a note (see ``Pipeline.stream``).
 import math
 from dataclasses import dataclass
 
-from cosyapp.frontend.voices import syllables
+from cosyapp.frontend.voice_rules import syllables
 
 TOKENS_PER_S = 25  # CosyVoice 2's speech tokens per second of audio
 MIN_SENTENCE_AUDIO_S = 2.0  # short sentences ("Hi.") still get room for a natural reading

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import threading
-import unicodedata
 import uuid
 import wave
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch
 from cosyapp.codec import wav
 from cosyapp.errors import VoiceError, VoiceNotFoundError
 from cosyapp.frontend.features import VoiceFeatures
-from cosyapp.frontend.text import remove_control_characters
+from cosyapp.frontend.voice_rules import check_prompt_text, sanitize_name
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only machines may lack
@@ -39,18 +38,8 @@ if TYPE_CHECKING:  # decoding audio needs soundfile/librosa, which serving-only 
 
 log = logging.getLogger(__name__)
 ASSETS_VOICES = Path(__file__).resolve().parents[2] / "assets" / "voices"
-MAX_NAME_CHARS = 60
 MAX_CACHED_FEATURES = 512  # feature files of recordings kept on disk (~50 KB each); saved voices' stay
-MAX_PROMPT_TEXT_CHARS = 500
-# Syllables per second a transcript may claim for its recording; real prompts read 3-4 (built-in
-# voices), so only a transcript of another recording, or none, falls outside.
-MAX_SYLLABLES_PER_S = 12.0
-MIN_SYLLABLES_PER_S = 0.2
 PROMPT_FILE = "prompt.wav"
-
-
-class PromptTextError(VoiceError):
-    """A transcript that is missing, too long, or obviously not that of its recording."""
 
 
 @dataclass(frozen=True)
@@ -84,51 +73,6 @@ class Voice:
         if self.prompt_ids is not None:
             return self.features.prompt(list(self.prompt_ids))
         return self.features.prompt(text.prompt_ids(self.prompt_text, self.info.language))
-
-
-def sanitize_name(name: str) -> str:
-    """A display name safe to store and show: printable, single-spaced, at most 60 characters."""
-    text = unicodedata.normalize("NFC", name)
-    text = "".join(ch if unicodedata.category(ch)[0] not in "CZ" else " " for ch in text)
-    text = re.sub(r"[<>/\\`]", "", text)
-    text = " ".join(text.split())[:MAX_NAME_CHARS].strip()
-    if not text:
-        raise VoiceError("give the voice a name made of letters, digits or punctuation")
-    return text
-
-
-def syllables(text: str) -> float:
-    """A rough syllable count: one per Chinese/Japanese/Korean character, one per three other letters
-    or digits (English averages about three letters per syllable)."""
-    import regex
-
-    syllabic = len(regex.findall(r"[\p{Han}\p{Hiragana}\p{Katakana}\p{Hangul}]", text))
-    return syllabic + (len(regex.findall(r"[\p{L}\p{N}]", text)) - syllabic) / 3
-
-
-def check_prompt_text(prompt_text: str, audio: "PromptAudio") -> str:
-    """The transcript of ``audio`` with control characters removed and spaces collapsed.
-
-    Raises ``PromptTextError`` when it is empty, longer than MAX_PROMPT_TEXT_CHARS, or claims far
-    more or far fewer syllables than the recording can hold (outside MIN/MAX_SYLLABLES_PER_S).
-    """
-    text = " ".join(remove_control_characters(prompt_text or "").split())
-    if not text:
-        raise PromptTextError("type what is said in the recording: the model needs its transcript")
-    if len(text) > MAX_PROMPT_TEXT_CHARS:
-        raise PromptTextError(f"the transcript has {len(text)} characters; at most {MAX_PROMPT_TEXT_CHARS}")
-    rate = syllables(text) / audio.seconds
-    if rate > MAX_SYLLABLES_PER_S:
-        raise PromptTextError(
-            f"the transcript is too long for the recording (about {rate:.0f} syllables per second of "
-            "audio): type exactly what is said in this recording"
-        )
-    if rate < MIN_SYLLABLES_PER_S:
-        raise PromptTextError(
-            f"the transcript is too short for the recording (about {syllables(text):.0f} syllables "
-            f"in {audio.seconds:.1f} s): type everything that is said in this recording"
-        )
-    return text
 
 
 def audio_hash(audio: "PromptAudio") -> str:

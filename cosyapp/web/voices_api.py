@@ -27,7 +27,8 @@ from cosyapp.codec import wav
 from cosyapp.errors import ParamError, UserError
 from cosyapp.frontend.audio import MAX_PROMPT_SECONDS, PromptAudio, load_prompt_audio
 from cosyapp.frontend.prepare import PreparedPrompt, read_upload
-from cosyapp.frontend.voices import Voice, check_prompt_text, sanitize_name
+from cosyapp.frontend.voice_rules import check_prompt_text, sanitize_name
+from cosyapp.frontend.voices import Voice
 from cosyapp.service import Service
 from cosyapp.web.api_errors import ApiRoute
 

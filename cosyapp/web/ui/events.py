@@ -27,7 +27,8 @@ from cosyapp.engine.request import SynthesisRequest, shown
 from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
 from cosyapp.frontend.audio import PromptAudio
 from cosyapp.frontend.prepare import read_upload
-from cosyapp.frontend.voices import Voice, VoiceInfo, check_prompt_text
+from cosyapp.frontend.voice_rules import check_prompt_text
+from cosyapp.frontend.voices import Voice, VoiceInfo
 from cosyapp.service import Service
 from cosyapp.web.clients import client_key
 from cosyapp.web.ui.audio import ClipFolder
