@@ -1,6 +1,7 @@
 """The shared token2wav worker on the tiny model (CPU): chunk schedule, batching, caches, cancellation."""
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -237,3 +238,41 @@ def test_streamed_audio_is_continuous_at_chunk_boundaries(tiny_model):
     # Measured: boundary steps 0.003-0.015 against a median step of 0.032 over the whole signal.
     assert len(boundaries) == 4
     assert (steps[boundaries - 1] <= np.median(steps)).all()
+
+
+def test_hift_on_its_own_thread_gives_every_stream_the_same_audio(tiny_model):
+    # Several streams at once, one slowed down and one whole clip, so steps hand over to the HiFT
+    # thread while the flow thread runs the next ones.
+    specs = [(37, 240, {}), (37, 140, {}), (50, 200, {"speed": 0.5}), (63, 90, {"streaming": False})]
+
+    async def main(engine):
+        threads = {t.name for t in threading.enumerate()}
+        runs = [_collect(engine, p, n, seed=i, **o) for i, (p, n, o) in enumerate(specs)]
+        return threads, await asyncio.gather(*runs), engine.stats()
+
+    _, in_turn, _ = _run(tiny_model, main, overlap_hift=False)
+    threads, overlapped, stats = _run(tiny_model, main, overlap_hift=True)
+    assert "token2wav-hift" in threads
+    assert stats.jobs_done == sum(map(len, overlapped)) and stats.hift_calls >= 2
+    for a, b in zip(in_turn, overlapped, strict=True):
+        assert [len(c) for c in a] == [len(c) for c in b]
+        # Batches may differ with thread timing; batched kernels round differently (as above).
+        np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), rtol=0, atol=1e-5)
+
+
+def test_stopping_with_hift_on_its_own_thread_ends_both_threads(tiny_model):
+    async def main():
+        engine = Token2Wav(tiny_model, overlap_hift=True, max_batch=1)
+        engine.start()
+        runs = [asyncio.create_task(_collect(engine, 37, 300, seed=i)) for i in range(3)]
+        while engine.stats().jobs_done < 2:
+            await asyncio.sleep(0.01)
+        engine.stop()
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        return results, {t.name for t in threading.enumerate()}
+
+    results, threads = asyncio.run(main())
+    assert not {"token2wav", "token2wav-hift"} & threads
+    # Jobs still queued when it stopped fail with the worker's message; none hangs.
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors and all("stopped" in str(e) for e in errors)

@@ -55,9 +55,6 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
 
 def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     """The Pipeline of this process: text frontend, LM engine, token2wav worker, admission limits."""
-    flow_dtype = getattr(torch, options.flow_dtype) if options.flow_dtype else None
-    if flow_dtype is None and model.device.type == "cuda":
-        flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
@@ -71,16 +68,26 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
         model,
         TextFrontend(model.model_dir / BACKBONE_DIR, max_chars=options.max_text_chars),
         build_lm_engine(model, options),
-        Token2Wav(
-            model,
-            max_batch=options.max_batch,
-            first_hop=options.first_hop,
-            autocast_dtype=flow_dtype,
-            flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
-            flow_cache_graphs=options.cuda_graphs and model.device.type == "cuda",
-            chunked_final=options.chunked_final,
-        ),
+        build_token2wav(model, options),
         max_streams=options.max_streams,
         max_waiting=options.max_waiting,
         budget=AudioBudget(options.slowest_speech_rate, options.max_request_audio_s),
+    )
+
+
+def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
+    """The token2wav worker over ``model`` (prepared by build_pipeline), not started."""
+    on_gpu = model.device.type == "cuda"
+    flow_dtype = getattr(torch, options.flow_dtype) if options.flow_dtype else None
+    if flow_dtype is None and on_gpu:
+        flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
+    return Token2Wav(
+        model,
+        max_batch=options.max_batch,
+        first_hop=options.first_hop,
+        autocast_dtype=flow_dtype,
+        flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
+        flow_cache_graphs=options.cuda_graphs and on_gpu,
+        chunked_final=options.chunked_final,
+        overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
     )

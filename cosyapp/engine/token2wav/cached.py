@@ -5,7 +5,7 @@ A streaming stream takes the incremental path from its first chunk when the pool
 pages; it keeps them until its final chunk or until it ends otherwise, and a stream the pool cannot
 serve at some chunk gives its pages back and finishes on the recompute path, which computes the same
 frames. Whole clips (full attention over the whole sentence) always take the recompute path. Only
-the worker thread uses this object.
+the worker's flow thread uses this object.
 """
 
 import logging

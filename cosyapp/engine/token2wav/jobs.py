@@ -2,7 +2,7 @@
 
 ``failing`` and ``retry_in_halves`` hand an error to the jobs it concerns (failing their streams, so
 their later jobs are skipped), so the worker keeps serving everyone else; ``rounds`` orders a batch
-so that each stream's jobs run one after the other. Everything here runs on the worker thread.
+so that each stream's jobs run one after the other. Everything here runs on the worker's threads.
 """
 
 import contextlib

@@ -13,7 +13,7 @@ huge job runs in a step of its own instead of padding a whole batch of small one
 and the next step is never further away than one bounded call (docs/model.md §8.6). A stream's
 jobs stay in order: once one is left for a later step, so are the stream's later jobs.
 
-Every method is thread-safe: the event loop puts jobs, the worker thread takes them.
+Every method is thread-safe: the event loop puts jobs, the worker's flow thread takes them.
 """
 
 import threading

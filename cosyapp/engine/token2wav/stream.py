@@ -1,12 +1,16 @@
 """One sentence on its way from speech tokens to audio: a Stream and the Jobs it sends the worker.
 
 A Stream holds all of one sentence's token2wav state, so its audio depends only on its own prompt,
-tokens and seed, never on which streams share its batches. Two threads see it, and every field has
-exactly one writer:
+tokens and seed, never on which streams share its batches. The event loop and the worker see it
+(the worker's flow and HiFT stages may run on two threads, worker.py), and every field has exactly
+one writer:
 
 - the event loop (``run``): the tokens so far, the chunk schedule, the futures of submitted jobs;
-- the worker thread: the prompt on the model's device, the HiFT noise generator, the speed change,
-  the HiFT overlap caches and ``failed``. Only the worker touches device tensors.
+- the flow stage: the prompt on the model's device, the noise generator (made there, at the first
+  job, before any HiFT call) and the incremental flow's state;
+- the HiFT stage: the speed change, the HiFT overlap caches and the audio delivered so far;
+- ``failed`` only ever turns True, set by whichever stage a job of the stream failed in.
+Only the worker touches device tensors; a job reaches the HiFT stage after its flow stage is done.
 
 They hand over through one channel each way. The loop puts Jobs on the worker's queue and, when the
 stream ends for any reason, sets ``cancelled``, a threading.Event the worker only reads (it then
@@ -72,7 +76,7 @@ class Stream:
     futures: list[asyncio.Future] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)  # the worker only reads it
     started: bool = False
-    # Written by the worker thread only (the resampler is made here, before any job exists).
+    # Written by the worker's stages (module docstring; the resampler is made here, before any job).
     device_prompt: PromptInputs | None = None
     generator: torch.Generator | None = None
     resampler: StreamingSpeedChange | None = field(init=False)  # streaming speed change only
@@ -147,7 +151,7 @@ class Stream:
         self.submit(Job(self, torch.tensor(tokens, dtype=torch.long), offset, finalize, future))
         return future
 
-    # On the worker thread.
+    # On the worker's threads.
 
     @property
     def live(self) -> bool:

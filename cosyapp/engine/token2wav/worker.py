@@ -1,18 +1,26 @@
-"""Token-to-wave service shared by every stream: one worker thread batches flow and HiFT work.
+"""Token-to-wave service shared by every stream: a flow thread and a HiFT thread batch the work.
 
-    Stream.run(tokens) --chunk schedule--> Job --queue--> worker: take the most urgent pending jobs
-        (<= max_batch, their padded size bounded: scheduler.py)
-        -> flow: one padded call per (streaming, finalize) mode -> per stream, in order: speed change,
+    Stream.run(tokens) --chunk schedule--> Job --queue--> flow thread: take the most urgent pending
+        jobs (<= max_batch, their padded size bounded: scheduler.py) -> flow: one padded call per
+        (streaming, finalize) mode --hand-off--> HiFT thread: per stream, in order: speed change,
         HiFT caches, HiFT batched by equal mel length, cross-fade -> future -> Stream.run yields audio
+
+With ``overlap_hift`` (on by default on a GPU) the two stages run on their own threads and CUDA
+streams, so HiFT of one step runs beside the flow of the next; the hand-off holds at most
+``HANDOFF_STEPS`` finished flow steps, so the flow never runs far ahead of what listeners hear.
+Without it one thread runs both stages in turn, as before. Either way each stream's HiFT calls run in
+order on one thread, and its audio is the same.
 
 Each stream's state lives in its Stream (stream.py), so its audio depends only on its own prompt,
 tokens and seed, never on which streams share its batches (docs/model.md §8.6, §10).
 """
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -36,6 +44,8 @@ logger = logging.getLogger(__name__)
 # default; the rest is for flow and HiFT activations and the CUDA graphs (measured on an H200 with
 # vLLM at 0.3: a 70 GB pool beside 64 streams).
 FLOW_CACHE_SHARE = 0.7
+# Finished flow steps waiting for the HiFT thread before the flow thread waits too.
+HANDOFF_STEPS = 1
 
 
 @dataclass
@@ -65,7 +75,8 @@ class Token2Wav:
     every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
     on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. step_frames: the padded rows x frames one step's flow call may
-    reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). Jobs submitted before start() wait
+    reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
+    (and CUDA stream) beside the next flow step (module docstring). Jobs submitted before start() wait
     for it.
     """
 
@@ -79,6 +90,7 @@ class Token2Wav:
         flow_cache_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
         step_frames: int | None = None,
+        overlap_hift: bool = False,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -90,14 +102,17 @@ class Token2Wav:
         self.step_frames = step_frames or max_batch * STEP_FRAMES_PER_ROW
         self._queue = JobQueue(max_batch, self.step_frames, self._cost)
         self._submitted = 0  # jobs ever submitted (written on the loop only)
+        self.overlap_hift = overlap_hift
         self._thread: threading.Thread | None = None
+        self._vocoder: threading.Thread | None = None
+        self._handoff: queue.Queue[list[Job] | None] = queue.Queue(HANDOFF_STEPS)
         self._stopped = False
         self._stats = Token2WavStats()
         self.cached: CachedFlow | None = None
         self._flow_cache = (flow_cache_bytes, flow_cache_graphs, chunked_final)
 
     def start(self) -> None:
-        """Start the worker thread, first giving the incremental flow its pages; idempotent."""
+        """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
         if self.cached is None:
             self.cached = self._cached_flow(*self._flow_cache)
         if self._thread is None:
@@ -106,6 +121,9 @@ class Token2Wav:
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
+            if self.overlap_hift:
+                self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
+                self._vocoder.start()
 
     def _cached_flow(self, size: int | None, graphs: bool, chunked_final: bool) -> CachedFlow | None:
         dev = self.model.device
@@ -141,8 +159,12 @@ class Token2Wav:
         if self._thread is not None:
             self._stopped = True
             left = self._queue.close()
-            self._thread.join()
+            self._thread.join()  # its last step is handed over before it ends
             self._thread = None
+            if self._vocoder is not None:
+                self._handoff.put(None)
+                self._vocoder.join()
+                self._vocoder = None
             for job in left:
                 job.resolve(error=RuntimeError("the token2wav worker was stopped"))
 
@@ -199,8 +221,9 @@ class Token2Wav:
         return await asyncio.gather(*tasks)
 
     def _work(self) -> None:
+        """The flow thread: each step's jobs through the flow, then to HiFT (here, or handed over)."""
         dtype = self.model.flow.input_embedding.weight.dtype
-        with torch.inference_mode():
+        with torch.inference_mode(), self._own_cuda_stream():
             while (jobs := self._queue.take()) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
@@ -208,9 +231,31 @@ class Token2Wav:
                     with failing([job], "prompt upload"):
                         job.stream.attach(self.model.device, dtype)
                 self._flow([job for job in live if job.stream.live])
-                for jobs_round in rounds(live):
-                    # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
-                    self._vocode([job for job in jobs_round if job.stream.live])
+                if self.overlap_hift:
+                    self._handoff.put(live)  # waits while HANDOFF_STEPS steps are ahead of HiFT
+                else:
+                    self._vocode_step(live)
+
+    def _vocode_work(self) -> None:
+        """The HiFT thread (overlap_hift): each handed-over step, in the order the flow finished them."""
+        with torch.inference_mode(), self._own_cuda_stream():
+            while (jobs := self._handoff.get()) is not None:
+                self._vocode_step(jobs)
+
+    def _vocode_step(self, jobs: list[Job]) -> None:
+        for jobs_round in rounds(jobs):
+            # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
+            self._vocode([job for job in jobs_round if job.stream.live])
+
+    def _own_cuda_stream(self):
+        """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
+        kernels then overlap. A mel crosses between them only after its flow call has synchronised
+        (``_timed``, ``_flow_batch``), and HiFT's inputs are freed after its copy to the CPU waited
+        for them, so no tensor is read or reused while the other stream still works on it."""
+        dev = self.model.device
+        if dev.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(dev))
 
     def _cost(self, job: Job) -> tuple[tuple, int]:
         """The flow call a job joins and the frames it pads that call to: its new frames in the
@@ -270,7 +315,9 @@ class Token2Wav:
         started = time.perf_counter()
         result = run(jobs)
         if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)  # count the device time, not just the launches
+            # This thread's CUDA stream only (count its device time, not just the launches); a
+            # device-wide synchronise would also wait for the HiFT thread's work.
+            torch.cuda.current_stream(self.model.device).synchronize()
         self._stats.flow_calls += 1
         self._stats.flow_seconds += time.perf_counter() - started
         self._stats.last_flow_batch = len(jobs)
@@ -282,7 +329,7 @@ class Token2Wav:
         started = time.perf_counter()
         mels = self._flow_group(jobs, streaming, finalize)
         if mels and mels[0].is_cuda:
-            torch.cuda.synchronize(mels[0].device)  # count the device time, not just the launches
+            torch.cuda.current_stream(mels[0].device).synchronize()  # as in _timed
         self._stats.flow_calls += 1
         self._stats.flow_seconds += time.perf_counter() - started
         for job, mel in zip(jobs, mels, strict=True):
