@@ -48,6 +48,8 @@ class Settings:
     shutdown_timeout: float = 10.0
     cache_dir: Path = DEFAULTS.cache_dir
     data_dir: Path = DEFAULT_HOME / "data"
+    replicas: int = 1  # more: one Pipeline per replica through Ray Serve (cosyapp/cluster/)
+    gpus_per_replica: float | None = None  # None: 1 where Ray sees GPUs, else 0
     card_sized: tuple[str, ...] = ()  # the CARD_SIZED options the user left unset
     card: "CardSizing | None" = None  # what the GPU sizing chose (app.py sets it at start)
 
@@ -240,6 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path(_env("DATA_DIR", defaults.data_dir)),
         help="saved voices and their features (default: %(default)s; env COSYAPP_DATA_DIR)",
     )
+    add(
+        "--replicas",
+        type=int,
+        default=int(_env("REPLICAS", defaults.replicas)),
+        help="pipelines to serve from, each with its own engines, through Ray Serve (pip install "
+        "'cosyapp[cluster]'); the page and the API stay one, in this process; RAY_ADDRESS joins a "
+        "running Ray cluster (default: %(default)s, no Ray; env COSYAPP_REPLICAS; docs/cluster.md)",
+    )
+    add(
+        "--gpus-per-replica",
+        type=float,
+        default=_env("GPUS_PER_REPLICA", None),
+        help="with --replicas: GPUs each replica holds, e.g. 0.5 puts two on a card (default: 1 where "
+        "Ray sees GPUs, else 0; env COSYAPP_GPUS_PER_REPLICA)",
+    )
     return parser
 
 
@@ -261,6 +278,10 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     args.cors_origins = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip())
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be 0 or more")
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    if args.gpus_per_replica is not None and args.gpus_per_replica < 0:
+        parser.error("--gpus-per-replica must be 0 or more")
     if args.__dict__.pop("no_asr"):
         args.asr_model = None
     args.card_sized = tuple(name for name in CARD_SIZED if getattr(args, name) is None)
