@@ -63,7 +63,12 @@ class CausalBlock1D(nn.Module):
         )
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.block(x * mask) * mask
+        return self.finish(self.block[0](x * mask), mask)
+
+    def finish(self, h: Tensor, mask: Tensor) -> Tensor:
+        """What follows the convolution: LayerNorm over the channels of h (B, C, T), Mish, mask."""
+        _, to_channels_last, norm, to_channels_first, mish = self.block
+        return mish(to_channels_first(norm(to_channels_last(h)))) * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -82,7 +87,11 @@ class CausalResnetBlock1D(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention with bias-free q/k/v projections and scale 1/sqrt(head_dim)."""
+    """The projections around self-attention: bias-free q/k/v in, a biased output projection.
+
+    The attention itself (scale 1/sqrt(head_dim)) is the caller's: SDPA over the call's own keys in
+    ``TransformerBlock.forward``, over cached keys too in the incremental flow.
+    """
 
     def __init__(self, dim: int, heads: int, head_dim: int):
         super().__init__()
@@ -93,17 +102,19 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x (B, T, dim), mask bool (B, 1|T, T) of allowed keys -> (B, T, dim)."""
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, dim) -> queries, keys, values, each (B, heads, T, head_dim)."""
         b, t, _ = x.shape
         q, k, v = (
             proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
             for proj in (self.to_q, self.to_k, self.to_v)
         )
-        # Upstream adds a -1e10 bias at blocked keys; a bool mask gives the same probabilities
-        # (exp underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
-        return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return q, k, v
+
+    def out(self, attended: Tensor) -> Tensor:
+        """Attention output (B, heads, T, head_dim) -> (B, T, dim)."""
+        b, _, t, _ = attended.shape
+        return self.to_out[0](attended.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 class GELUProjection(nn.Module):
@@ -140,8 +151,22 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), mask)
-        return x + self.ff(self.norm3(x))
+        """x (B, T, dim), mask bool (B, 1|T, T) of allowed keys -> (B, T, dim)."""
+        # Upstream adds a -1e10 bias at blocked keys; a bool mask gives the same probabilities
+        # (exp underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
+        attended = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=mask.unsqueeze(1))
+        return self.after_attention(x, attended)
+
+    # The block's memory-bound work lives in these two methods, which the recompute and the
+    # incremental flow share and engine/token2wav/fused.py compiles (the attention stays SDPA).
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values (B, heads, T, head_dim) of norm1(x), x (B, T, dim)."""
+        return self.attn1.qkv(self.norm1(x))
+
+    def after_attention(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The attention's output projection and residual, then the FFN with its residual."""
+        h = x + self.attn1.out(attended)
+        return h + self.ff(self.norm3(h))
 
 
 class CausalConditionalDecoder(nn.Module):

@@ -127,9 +127,7 @@ class IncrementalEstimator:
         return nn.Conv1d.forward(conv, io.conv_input(x))
 
     def _block(self, block: CausalBlock1D, x: Tensor, mask: Tensor, io: _StepIO) -> Tensor:
-        conv, to_channels_last, norm, to_channels_first, mish = block.block
-        h = self._conv(conv, x * mask, io)
-        return mish(to_channels_first(norm(to_channels_last(h)))) * mask
+        return block.finish(self._conv(block.block[0], x * mask, io), mask)
 
     def _resnet(self, r: CausalResnetBlock1D, x: Tensor, mask: Tensor, t_emb: Tensor, io: _StepIO) -> Tensor:
         h = self._block(r.block1, x, mask, io) + r.mlp(t_emb).unsqueeze(-1)
@@ -139,17 +137,10 @@ class IncrementalEstimator:
     def _attend(blocks: nn.ModuleList, h: Tensor, io: _StepIO) -> Tensor:
         h = h.transpose(1, 2)
         for block in blocks:
-            attn = block.attn1
-            x = block.norm1(h)
-            b, t, _ = x.shape
-            q, k, v = (
-                proj(x).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-                for proj in (attn.to_q, attn.to_k, attn.to_v)
-            )
+            q, k, v = block.qkv(h)
             k, v = io.keys_values(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=io.inputs.attn_mask)
-            h = h + attn.to_out[0](out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
-            h = h + block.ff(block.norm3(h))
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=io.inputs.attn_mask)
+            h = block.after_attention(h, attended)
         return h.transpose(1, 2)
 
 
