@@ -43,6 +43,9 @@ class ServeOptions:
         started (off on a CPU); 0 recomputes every chunk's prefix, as upstream.
     chunked_final: with the flow cache, compute a stream's last chunk with the streaming masks too
         instead of upstream's full attention over the whole sentence (docs/model.md §8.7).
+    compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
+        torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
+        once, later starts read them from cache_dir/inductor.
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
 
@@ -67,6 +70,7 @@ class ServeOptions:
     cuda_graphs: bool = True
     flow_cache_gb: float | None = None
     chunked_final: bool = False
+    compile_flow: bool = False
     overlap_hift: bool = True
 
     def __post_init__(self) -> None:

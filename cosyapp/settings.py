@@ -38,6 +38,7 @@ class Settings:
     first_hop: int = DEFAULTS.first_hop
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
+    compile_flow: bool = DEFAULTS.compile_flow
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
     max_request_audio_s: float = DEFAULTS.max_request_audio_s
@@ -175,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --flow-cache-gb: compute a stream's last chunk incrementally with streaming masks, "
         "not upstream's full-attention recompute: faster, different last-chunk audio "
         "(env COSYAPP_CHUNKED_FINAL=1)",
+    )
+    add(
+        "--compile-flow",
+        action="store_true",
+        default=_flag("COMPILE_FLOW"),
+        help="run the flow estimator's LayerNorms and pointwise work as kernels fused by torch.compile: "
+        "the first start compiles them (kept under --cache-dir for later starts); the "
+        "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
     )
     add(
         "--max-text-chars",

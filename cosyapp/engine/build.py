@@ -58,6 +58,12 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
+    if options.compile_flow:
+        from cosyapp.engine.token2wav.flow_cache import raw_estimator
+        from cosyapp.engine.token2wav.fused import fuse_estimator
+
+        # Before any graph is captured: the graphs then replay the compiled kernels.
+        fuse_estimator(raw_estimator(model.flow), options.cache_dir / "inductor")
     if options.cuda_graphs and model.device.type == "cuda":
         from cosyapp.engine.token2wav.graphs import GraphedEstimator
 

@@ -1,0 +1,127 @@
+"""--compile-flow: the flow estimator's pieces compiled by inductor give the eager mel in both flow
+paths (tiny model, CPU, float32), and the option reaches the engine from the command line."""
+
+import copy
+import os
+
+import pytest
+import torch
+from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
+
+from cosyapp.engine.build import build_pipeline
+from cosyapp.engine.token2wav.flow_cache import KVPool, raw_estimator
+from cosyapp.models.checkpoint import load_model
+from cosyapp.models.flow_estimator import CausalBlock1D, TransformerBlock
+from cosyapp.options import DEFAULTS, ServeOptions
+
+
+@pytest.fixture(scope="module")
+def fused(tiny_model_dir, tmp_path_factory):
+    """(model, cache_dir): a second copy of the tiny model, its flow fused by build_pipeline."""
+    cache_dir = tmp_path_factory.mktemp("serving-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        model = load_model(tiny_model_dir, device="cpu")
+        build_pipeline(model, ServeOptions(engine="torch", compile_flow=True, cache_dir=cache_dir))
+        yield model, cache_dir
+
+
+def pool(model) -> KVPool:
+    est = raw_estimator(model.flow)
+    steps = model.flow.decoder.n_timesteps
+    return KVPool(est, pages=32, steps=steps, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def compiled_graphs(cls: type, name: str) -> int:
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(getattr(cls, name).__code__))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_recompute_path_gives_the_eager_mel(tiny_model, fused, streaming):
+    model, _ = fused
+    p = prompt(75, seed=3)
+    tokens = torch.randint(0, 6561, (120,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        got = recompute(model.flow, p, tokens, final=True) if streaming else whole(model.flow, p, tokens)
+        want = (
+            recompute(tiny_model.flow, p, tokens, final=True)
+            if streaming
+            else whole(tiny_model.flow, p, tokens)
+        )
+    assert_close(got, want)
+
+
+def whole(flow, p, tokens):
+    speech, feat, emb = p
+    mel, _ = flow.inference(
+        token=tokens[None],
+        token_len=torch.tensor([len(tokens)]),
+        prompt_token=speech[None],
+        prompt_token_len=torch.tensor([len(speech)]),
+        prompt_feat=feat[None],
+        prompt_feat_len=torch.tensor([len(feat)]),
+        embedding=emb[None],
+        streaming=False,
+        finalize=True,
+    )
+    return mel[0]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fused, padded):
+    """padded: the calls padded to the CUDA graphs' buckets, as served on a GPU."""
+    model, _ = fused
+    p = prompt(37, seed=5)
+    tokens = torch.randint(0, 6561, (260,), generator=torch.Generator().manual_seed(6))
+    calls = schedule(37, len(tokens), 25)
+    got = stream_frames(model.flow, pool(model), p, tokens, calls, padded=padded)
+    want = stream_frames(tiny_model.flow, pool(tiny_model), p, tokens, calls, padded=padded)
+    assert len(got) == len(calls) > 3
+    for (got_start, got_mel), (want_start, want_mel) in zip(got, want, strict=True):
+        assert got_start == want_start
+        assert_close(got_mel, want_mel)
+
+
+def test_one_compiled_graph_serves_every_block(fused):
+    model, _ = fused
+    est = raw_estimator(model.flow)
+    p = prompt(25, seed=7)
+    tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        whole(model.flow, p, tokens)
+    blocks = sum(isinstance(m, TransformerBlock) for m in est.modules())
+    causal_blocks = sum(isinstance(m, CausalBlock1D) for m in est.modules())
+    assert blocks > 1 and causal_blocks > 1
+    # One graph per call kind (inference or not, the two attention modes' shapes), never one per block.
+    for cls, name in (
+        (TransformerBlock, "qkv"),
+        (TransformerBlock, "after_attention"),
+        (CausalBlock1D, "finish"),
+    ):
+        assert 1 <= compiled_graphs(cls, name) <= 2, name
+
+
+def test_compiled_kernels_are_kept_under_the_serving_cache_dir(fused):
+    _, cache_dir = fused
+    kept = cache_dir / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(kept)
+    assert any(f.is_file() for f in kept.rglob("*"))
+
+
+def test_a_cache_dir_the_user_chose_is_kept(tiny_model, tmp_path, monkeypatch):
+    from cosyapp.engine.token2wav.fused import fuse_estimator
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    fuse_estimator(copy.deepcopy(raw_estimator(tiny_model.flow)), tmp_path / "serving")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_flag_and_its_variable_turn_compiling_on(monkeypatch):
+    from cosyapp.settings import parse_settings
+
+    monkeypatch.delenv("COSYAPP_COMPILE_FLOW", raising=False)
+    assert DEFAULTS.compile_flow is False
+    assert parse_settings([]).serve_options().compile_flow is False
+    assert parse_settings(["--compile-flow"]).serve_options().compile_flow is True
+    monkeypatch.setenv("COSYAPP_COMPILE_FLOW", "1")
+    assert parse_settings([]).serve_options().compile_flow is True
