@@ -193,6 +193,12 @@ def test_the_bench_voice_is_offered_by_name_from_the_model_folder(tiny_model_dir
         (["--texts", "tokens", "--tokens", "30"], "--tokens must be a positive multiple of 20"),
         (["--drivers", "pipeline,grpc"], "--drivers: unknown 'grpc'"),
         (["--clients", "1,x"], "--clients takes whole numbers"),
+        (["--variant", "a:engine=vllm"], "'engine' is not one of first_hop"),
+        (["--variant", "a:overlap_hift=maybe"], "overlap_hift takes true or false"),
+        (["--variant", "a:first_hop=x"], "first_hop takes a number"),
+        (["--variant", "a:first_hop=2"], "first_hop must be between"),
+        (["--variant", "hop15"], "--variant takes NAME:FIELD=VALUE"),
+        (["--variant", "a:first_hop=15", "--drivers", "openai"], "--variant measures the pipeline driver"),
     ],
 )
 def test_bad_options_stop_with_a_message(argv, message, capsys):
@@ -227,3 +233,28 @@ def test_the_in_process_benchmark_imports_nothing_the_gpu_machine_lacks():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['pipeline']"
+
+
+def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):
+    out = tmp_path / "variants.json"
+    command = [
+        sys.executable, "-m", "cosyapp.bench", "--device", "cpu", "--drivers", "pipeline",
+        "--texts", "tokens", "--tokens", "100", "--modes", "stream", "--clients", "1,2",
+        "--first-hop", "25", "--variant", "hop15:first_hop=15,max_batch=2",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["variants"] == {"hop15": {"first_hop": 15, "max_batch": 2}}
+    levels = result["levels"]
+    marks = [(lv.get("variant"), lv["clients"]) for lv in levels]
+    assert marks == [(None, 1), (None, 2), ("hop15", 1), ("hop15", 2)]
+    for level in result["levels"]:
+        assert level["requests"] == level["clients"] and level["failed"] == 0, level["errors"]
+        assert level["audio_s"] > 0 and level["stages"]["flow_calls"] > 0
+    # Each level says which worker served it: the variant's own.
+    workers = [(lv.get("variant"), lv["worker"]["first_hop"], lv["worker"]["max_batch"]) for lv in levels]
+    assert workers == [(None, 25, 64), (None, 25, 64), ("hop15", 15, 2), ("hop15", 15, 2)]
+    assert all(lv["flow_max_batch"] <= 2 for lv in result["levels"] if lv.get("variant"))
+    assert "[hop15] pipeline" in done.stdout

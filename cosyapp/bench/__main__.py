@@ -19,6 +19,7 @@ import importlib.util
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from cosyapp.bench.drivers import DRIVERS
@@ -27,6 +28,8 @@ from cosyapp.bench.report import plot_paths, write_plots
 from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
+# The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav).
+VARIANT_FIELDS = ("first_hop", "flow_cache_gb", "chunked_final", "overlap_hift", "max_batch", "flow_dtype")
 SMOKE = {
     "clients": "1,2",
     "texts": "short",
@@ -123,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory for the incremental streaming flow; 0 = recompute (default: %(default)s)",
     )
     add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
+    add(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+        help="after the levels, swap in a token2wav worker with these options (fields: "
+        f"{', '.join(VARIANT_FIELDS)}) and measure the pipeline driver's levels again on the same LM "
+        "engine; repeatable, e.g. --variant serial-hift:overlap_hift=false --variant hop15:first_hop=15",
+    )
     add("--workdir", default=None, help="where the random model and caches go (default: a new temp folder)")
     add("--out", type=Path, default=Path("bench.json"), help="result JSON; plots go beside it")
     return parser
@@ -162,6 +175,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     except OptionError as e:
         parser.error(e.flag())
+    args.variants = dict(_variant(parser, text, args.serve) for text in args.variants)
+    if args.variants and "pipeline" not in args.drivers:
+        parser.error("--variant measures the pipeline driver: add pipeline to --drivers")
     http = [d for d in args.drivers if d != "pipeline"]
     needed = (["gradio"] if http and not args.url else []) + (["gradio_client"] if "gradio" in http else [])
     needed += ["playwright"] if "browser" in http else []
@@ -171,6 +187,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 f"the {', '.join(http)} driver(s) need {package}: install it, or use --drivers pipeline"
             )
     return args
+
+
+def _variant(parser: argparse.ArgumentParser, text: str, base: ServeOptions) -> tuple[str, dict]:
+    """NAME:FIELD=VALUE,... -> (NAME, {field: value}), each value read as its field's type and the
+    whole checked as ServeOptions."""
+    name, _, spec = text.partition(":")
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        field, _, value = item.partition("=")
+        if field not in VARIANT_FIELDS:
+            parser.error(f"--variant {text!r}: {field!r} is not one of {', '.join(VARIANT_FIELDS)}")
+        current = getattr(base, field)
+        if value.lower() == "none":
+            changes[field] = None
+        elif isinstance(current, bool):
+            if value.lower() not in ("true", "false"):
+                parser.error(f"--variant {text!r}: {field} takes true or false")
+            changes[field] = value.lower() == "true"
+        else:
+            try:
+                changes[field] = int(value) if isinstance(current, int) else float(value)
+            except ValueError:
+                parser.error(f"--variant {text!r}: {field} takes a number, got {value!r}")
+    if not name or not changes:
+        parser.error(f"--variant takes NAME:FIELD=VALUE[,FIELD=VALUE], got {text!r}")
+    try:
+        replace(base, **changes)
+    except OptionError as e:
+        parser.error(f"--variant {text!r}: {e}")
+    return name, changes
 
 
 def _choice(parser: argparse.ArgumentParser, flag: str, value: str, allowed) -> str:

@@ -32,6 +32,7 @@ ENGINE_FIELDS = (
     "stages",
     "gpu_peak_allocated_gb",
     "gpu_device_used_gb",
+    "worker",
 )
 
 
@@ -83,4 +84,18 @@ async def measure(
         wall = time.perf_counter() - start
         await sampler.stop()
     stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
-    return level | summarize(results, wall) | sampler.report() | stages | gpu_memory()
+    return level | summarize(results, wall) | sampler.report() | stages | gpu_memory() | _worker(pipeline)
+
+
+def _worker(pipeline: Pipeline) -> dict:
+    """The options of the token2wav worker that served the level (a --variant swaps it)."""
+    t2w = pipeline.token2wav
+    return {
+        "worker": {
+            "first_hop": t2w.first_hop,
+            "max_batch": t2w.max_batch,
+            "overlap_hift": t2w.overlap_hift,
+            "flow_cache": t2w.cached is not None,
+            "flow_dtype": str(t2w.autocast_dtype) if t2w.autocast_dtype else None,
+        }
+    }

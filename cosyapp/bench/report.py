@@ -69,6 +69,8 @@ def row(level: dict) -> str:
     """One printed line of a level: latency, throughput, underruns, engine batches and stage times."""
     mode = "stream" if level["streaming"] else "whole"
     head = f"{level['driver']:8} {level['text']:6} {mode:6} x{level['clients']:<4}"
+    if level.get("variant"):
+        head = f"[{level['variant']}] {head}"
     latency = (
         f"TTFA p50/p90/p99 {_ms(level['ttfa_p50'])}/{_ms(level['ttfa_p90'])}/{_ms(level['ttfa_p99'])} ms  "
         f"total p50/p99 {_ms(level['total_p50'])}/{_ms(level['total_p99'])} ms"
@@ -132,6 +134,8 @@ def _series(levels: list[dict], text: str) -> dict[str, list[dict]]:
     for level in levels:
         if level["text"] == text:
             label = f"{level['driver']} {'stream' if level['streaming'] else 'whole'}"
+            if level.get("variant"):
+                label += f" [{level['variant']}]"
             series.setdefault(label, []).append(level)
     return {label: sorted(group, key=lambda lv: lv["clients"]) for label, group in series.items()}
 
@@ -206,7 +210,7 @@ def _throughput(plt, result: dict, texts: list[str]):
 
 def _stages(plt, result: dict, texts: list[str]):
     """Stacked bars per level of the first driver with engine statistics (all drivers share the engine)."""
-    measured = [lv for lv in result["levels"] if lv["stages"] is not None]
+    measured = [lv for lv in result["levels"] if lv["stages"] is not None and not lv.get("variant")]
     if not measured:
         figure, ax = plt.subplots(figsize=(6, 2))
         ax.axis("off")

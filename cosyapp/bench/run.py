@@ -1,6 +1,8 @@
 """A whole benchmark run: model, engines, server, every level, the baselines; returns the result."""
 
 import argparse
+import asyncio
+import gc
 import itertools
 import tempfile
 import time
@@ -8,6 +10,7 @@ from contextlib import AsyncExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from cosyapp.bench import baselines as base
@@ -25,9 +28,10 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.engine.build import build_pipeline, choose_engine
+from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.models.checkpoint import load_model, pick_device
+from cosyapp.options import ServeOptions
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -62,6 +66,8 @@ async def run(args: argparse.Namespace) -> dict:
         for driver in drivers:
             stack.push_async_callback(driver.close)
         levels, baselines = await _measure_all(args, pipeline, local, drivers, texts)
+        for name, changes in args.variants.items():
+            levels += await _measure_variant(args, pipeline, replace(options, **changes), name, texts)
     reference = None
     if baselines:
         reference = _reference(levels, texts[0].name, max(args.clients))
@@ -78,13 +84,16 @@ async def run(args: argparse.Namespace) -> dict:
         "hardware": hardware(device),
         "versions": versions(),
         "command": args.command,
-        "options": {key: value for key, value in vars(args).items() if key not in ("command", "serve")},
+        "options": {
+            key: value for key, value in vars(args).items() if key not in ("command", "serve", "variants")
+        },
         "engine_options": {key: str(value) for key, value in asdict(options).items()},
         "engine": type(pipeline.lm).__name__,
         "model": "CosyVoice2-0.5B sizes, random weights" if args.full_size else "tiny random model",
         "server": args.url or ("own server, this process" if http else None),
         "voice": VOICE_ID,
         "startup_s": startup,
+        "variants": args.variants,
         "texts": {text.name: text.describe(pipeline.text) for text in texts},
         "levels": levels,
         "baselines_text": texts[0].name if baselines else None,
@@ -125,6 +134,36 @@ async def _measure_all(
             progress.set_description("baselines")
             baselines = await _baselines(pipeline, texts[0], args, progress.update)
     return levels, baselines
+
+
+async def _measure_variant(
+    args: argparse.Namespace, pipeline: Pipeline, options: ServeOptions, name: str, texts: list[TextSet]
+) -> list[dict]:
+    """The pipeline driver's levels again with a token2wav worker built from ``options``, on the same
+    LM engine: the old worker is stopped and its memory freed, the new one captures its graphs and
+    warms up as at start-up. Each level is marked with the variant's ``name``."""
+    old = pipeline.token2wav
+    await asyncio.to_thread(old.stop)
+    pipeline.token2wav = build_token2wav(pipeline.model, options)
+    del old
+    gc.collect()  # the incremental flow's page pool goes before the new worker sizes its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    await asyncio.to_thread(pipeline.token2wav.capture_graphs)
+    pipeline.token2wav.start()
+    driver = PipelineDriver(pipeline, bench_voice(pipeline.text))
+    levels = []
+    with tqdm(total=None, unit="req", desc=f"variant {name}", disable=None) as progress:
+        with decoding_ratio(pipeline.model, texts[0].ratio):
+            await pipeline.warm_up_token2wav()
+            await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
+        for text, mode, clients in itertools.product(texts, args.modes, args.clients):
+            with decoding_ratio(pipeline.model, text.ratio):
+                level = await measure(driver, text, mode == "stream", clients, pipeline, progress.update)
+            levels.append(level | {"variant": name})
+            progress.write(row(levels[-1]))
+    await driver.close()
+    return levels
 
 
 def _drivers(names: list[str], pipeline: Pipeline, url: str | None) -> list[Driver]:
