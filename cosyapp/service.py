@@ -6,6 +6,7 @@ The UI and the HTTP API both take a ``Service``; neither touches torch.
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cosyapp.asr.transcriber import Transcriber
 from cosyapp.engine.build import build_pipeline
@@ -15,6 +16,9 @@ from cosyapp.models.checkpoint import ModelFolderError, load_model, resolve_mode
 from cosyapp.previews import VoicePreviews
 from cosyapp.settings import DEFAULT_REPO, Settings
 
+if TYPE_CHECKING:
+    from cosyapp.cluster.ingress import ClusterPipeline
+
 log = logging.getLogger(__name__)
 
 
@@ -22,10 +26,11 @@ log = logging.getLogger(__name__)
 class Service:
     """The shared state of the process. ``demo_reason`` is set (and shown in the page) when the
     model has random weights, saying why. ``asr`` transcribes voice prompts (None: ``--no-asr``).
-    ``previews`` makes and keeps each voice's preview through the same Pipeline."""
+    ``previews`` makes and keeps each voice's preview through the same Pipeline. With ``--replicas``
+    above 1 the pipeline is a ``ClusterPipeline``: the same interface, served by Ray Serve replicas."""
 
     settings: Settings
-    pipeline: Pipeline
+    pipeline: "Pipeline | ClusterPipeline"
     voices: VoiceLibrary
     model_dir: Path
     demo_reason: str | None = None
@@ -67,10 +72,15 @@ def build_service(settings: Settings, demo_reason: str | None = None) -> Service
     from cosyapp.frontend.voice import VoiceFrontend
 
     folder, demo_reason = (demo_model(settings), demo_reason) if demo_reason else choose_model(settings)
-    model = load_model(folder, device=settings.device)
-    pipeline = build_pipeline(model, settings.serve_options())
+    if settings.replicas > 1:  # each replica loads the model; voices are made here, on the CPU
+        from cosyapp.cluster.ingress import launch
+
+        pipeline, voice_device = launch(settings, folder), "cpu"
+    else:
+        model = load_model(folder, device=settings.device)
+        pipeline, voice_device = build_pipeline(model, settings.serve_options()), model.device
     voices = VoiceLibrary(
-        settings.data_dir, VoiceFrontend(folder, model.device), spk2info=folder / "spk2info.pt"
+        settings.data_dir, VoiceFrontend(folder, voice_device), spk2info=folder / "spk2info.pt"
     )
     # Loaded on first use; with a demo TTS model, the demo ASR model too (no download for either).
     asr = None

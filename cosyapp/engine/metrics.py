@@ -149,6 +149,6 @@ class Metrics:
         for (mode, outcome), count in by_mode:
             lines.append(f'cosyapp_mode_requests_total{{mode="{mode}",outcome="{outcome}"}} {count}')
         for name, value in snapshot.items():
-            if value is not None:
+            if isinstance(value, int | float):  # numbers only: a cluster labels its replicas' own
                 lines += [f"# TYPE cosyapp_{name} gauge", f"cosyapp_{name} {float(value):.6g}"]
         return "\n".join(lines) + "\n"

@@ -112,6 +112,10 @@ class Pipeline:
     def sample_rate(self) -> int:
         return self.model.sample_rate
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     async def start(self, warm_up: bool = False) -> None:
         """Start the engines on the running event loop (idempotent; the first request starts them too).
 

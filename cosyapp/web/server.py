@@ -77,7 +77,7 @@ class EngineStart:
 
 
 def health_route(service: Service, start: EngineStart):
-    engine_name = choose_engine(service.settings.engine, service.pipeline.model.device)
+    engine_name = choose_engine(service.settings.engine, service.pipeline.device)
 
     def health() -> JSONResponse:
         """What this process serves with and whether its engines are serving (200) or not (503)."""
@@ -93,7 +93,7 @@ def health_route(service: Service, start: EngineStart):
             "demo": service.demo_reason is not None,
             "demo_reason": service.demo_reason,
             "engine": engine_name,
-            "device": str(service.pipeline.model.device),
+            "device": str(service.pipeline.device),
             "active_streams": engine["active_streams"],
             "waiting": engine["waiting"],
             "lm": engine["lm"],
@@ -101,6 +101,7 @@ def health_route(service: Service, start: EngineStart):
             "last_fault": engine["last_fault"],
             "max_streams": service.pipeline.max_streams,
             "sizing": service.settings.card.report() if service.settings.card else None,
+            **({"replicas": engine["replicas"]} if "replicas" in engine else {}),  # --replicas
         }
         return JSONResponse(body, status_code=200 if state == "serving" else 503)
 
@@ -155,7 +156,7 @@ def app_kwargs(service: Service, wait_for_engines: bool = True) -> dict[str, Any
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Warm-up pre-selects GPU kernels; on a CPU it only costs minutes (every batch size up to 64).
-        warm_up = pipeline.model.device.type != "cpu"
+        warm_up = pipeline.device.type != "cpu"
         log.info("starting the engines%s", " with warm-up" if warm_up else "")
         start.task = asyncio.create_task(pipeline.start(warm_up=warm_up))
         if wait_for_engines:

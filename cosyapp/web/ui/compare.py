@@ -102,8 +102,9 @@ class BatchesSeen:
     flow: int = 0
 
     def read(self, pipeline: "Pipeline") -> None:
-        self.lm = max(self.lm, pipeline.lm.stats().last_batch_size)
-        self.flow = max(self.flow, pipeline.token2wav.stats().last_flow_batch)
+        gauges = pipeline.metrics.gauges  # a Pipeline's engines, or with --replicas their reports
+        self.lm = max(self.lm, gauges["lm_batch_size"]())
+        self.flow = max(self.flow, gauges["token2wav_batch_size"]())
 
     async def watch(self, pipeline: "Pipeline") -> None:
         """Read until cancelled."""

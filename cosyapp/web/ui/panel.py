@@ -109,12 +109,21 @@ def stat_tiles(snap: dict) -> str:
         ("GPU memory", f"{snap.get('gpu_memory_gb', 0.0):.2f} GB"),
         ("requests done", f"{snap['done']} of {snap['requests']}"),
     ]
+    replicas = snap.get("replicas", [])
+    if len(replicas) > 1:  # --replicas: each one's load, or that it is down (restarting)
+        tiles += [(f"replica {r['replica']}", _replica_load(r)) for r in replicas]
     cells = "".join(
         f'<div class="tile"><span class="value">{html.escape(value)}</span>'
         f'<span class="name">{html.escape(name)}</span></div>'
         for name, value in tiles
     )
     return f'<div class="live-stats">{cells}</div>'
+
+
+def _replica_load(line: dict) -> str:
+    if line["status"] != "serving":
+        return line["status"]
+    return f"{line['active_streams']} streams · {line['queued_jobs']} jobs"
 
 
 def plot_frames(samples: list[Sample]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
