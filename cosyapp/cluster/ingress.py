@@ -76,6 +76,12 @@ class Replica:
     def up(self) -> bool:
         return self.report is not None
 
+    def latest(self, part: str) -> dict[str, Any]:
+        """``part`` of its latest report, {} while it does not answer (read once: the report is
+        replaced on the event loop while the panel's thread and /metrics read it)."""
+        report = self.report
+        return report[part] if report else {}
+
     def load(self) -> int:
         """Streams running on it plus its queued token2wav jobs: lower is more headroom."""
         report = self.report or {}
@@ -118,7 +124,7 @@ class ClusterMetrics(Metrics):
 
     def reported(self, name: str) -> list[float]:
         """``name`` of every answering replica's metrics snapshot."""
-        return [r.report["metrics"].get(name) or 0 for r in self.replicas if r.report]
+        return [r.latest("metrics").get(name) or 0 for r in self.replicas if r.up]
 
     def snapshot(self) -> dict[str, Any]:
         out = super().snapshot()
@@ -130,7 +136,7 @@ class ClusterMetrics(Metrics):
 
     def prometheus(self) -> str:
         lines = [super().prometheus().rstrip("\n")]
-        rows = [(r.describe(), r.report["metrics"] if r.report else {}) for r in self.replicas]
+        rows = [(r.describe(), r.latest("metrics")) for r in self.replicas]
         series = {
             "replica_up": lambda line, m: float(line["status"] == "serving"),
             "replica_active_streams": lambda line, m: line["active_streams"],
@@ -208,10 +214,12 @@ class ClusterPipeline:
         import ray
         from ray import serve
 
+        if self.owns_ray:  # the local Ray instance this process started: Serve and all, replicas first
+            serve.shutdown()
+            ray.shutdown()
+            return
         for replica in self.replicas:
             serve.delete(app_name(replica.index))
-        if self.owns_ray:
-            ray.shutdown()
 
     async def _watch(self, replica: Replica) -> None:
         from ray.exceptions import RayError
@@ -228,7 +236,7 @@ class ClusterPipeline:
 
     def health(self) -> dict[str, object]:
         """/health of the cluster: serving while any replica serves; each replica's line."""
-        answering = [r.report["health"] for r in self.replicas if r.report]
+        answering = [health for health in (r.latest("health") for r in self.replicas) if health]
         serving = [h for h in answering if h["lm"] == "serving"]
         faults = [h["last_fault"] for h in answering if h["last_fault"]]
         return {
