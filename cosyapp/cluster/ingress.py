@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPORT_PERIOD_S = 0.5
-REPORT_TIMEOUT_S = 5.0  # a replica silent this long is left out of routing
+# A replica silent this long is left out of routing. Serve holds a request to a dead replica until
+# its successor is ready (model loaded, engines warm), so the shorter, the fewer requests wait there;
+# a replica's loop answers a report in milliseconds.
+REPORT_TIMEOUT_S = 2.0
 REPORT_CALLS = 2  # requests a replica takes beyond its streams: the ingress's reports
 BATCH_GAUGES = ("lm_batch_size", "lm_max_batch_size", "token2wav_batch_size", "token2wav_max_batch_size")
 
@@ -163,7 +166,7 @@ class ClusterPipeline:
     ):
         self.replicas = [Replica(i, handle) for i, handle in enumerate(handles)]
         for replica in self.replicas:  # what the page is built with: the sample rate
-            replica.report = replica.handle.report.remote().result(timeout_s=REPORT_TIMEOUT_S * 6)
+            replica.report = replica.handle.report.remote().result(timeout_s=30)
         self.sample_rate: int = self.replicas[0].report["sample_rate"]
         self.device = torch.device(device)
         self.max_chars = options.max_text_chars
