@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import ray
+from gradio_client import Client
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from test_server import SHORT, VOICE, make_service, wait_until
@@ -96,6 +97,22 @@ def test_a_stream_comes_from_one_replica(client, url):
     wait_until(lambda: sum(requests_by_replica(client)) == sum(before) + 1)
     grew = [a - b for a, b in zip(requests_by_replica(client), before, strict=True)]
     assert sorted(grew) == [0, 1]
+
+
+def test_either_replica_makes_the_same_clip_for_the_page_and_the_api(client, url):
+    body = {"input": SHORT, "voice": VOICE, "seed": 9}
+    before = requests_by_replica(client)
+    clips = [client.post("/v1/audio/speech", json=body) for _ in range(2)]
+    assert [clip.status_code for clip in clips] == [200, 200]
+    wait_until(lambda: sum(requests_by_replica(client)) == sum(before) + 2)
+    assert [a - b for a, b in zip(requests_by_replica(client), before, strict=True)] == [1, 1]
+    assert clips[0].content == clips[1].content
+    page = Client(url, download_files=False, verbose=False)
+    try:  # the page's form: text, voice, recording, transcript, speed, seed, session
+        _, _, file = page.predict(SHORT, VOICE, None, "", 1.0, 9, "", api_name="/speak_clip")
+    finally:
+        page.close()
+    assert httpx.get(file["url"], timeout=60).content == clips[0].content
 
 
 def test_a_replica_refusal_crosses_to_the_ingress_as_itself(service):

@@ -335,6 +335,7 @@ def launch(settings: "Settings", model_dir: Path) -> ClusterPipeline:
             ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
             max_ongoing_requests=options.max_streams + options.max_waiting + REPORT_CALLS,
             health_check_period_s=2,
+            logging_config={"enable_access_log": False},  # reports twice a second; requests: ours
         )
         app = deployment.bind(index, model_dir, options, device, warm_up=device == "cuda")
         targets.append(serve.RunTarget(app, name=app_name(index), route_prefix=None))
