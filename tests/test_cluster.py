@@ -16,6 +16,7 @@ from test_server import SHORT, VOICE, make_service, wait_until
 
 from cosyapp.engine.request import SynthesisRequest
 from cosyapp.errors import BusyError, TextError
+from cosyapp.settings import parse_settings
 from cosyapp.web.ui.panel import stat_tiles
 
 # Long enough that a stream is still running when its replica is killed after its first chunk.
@@ -182,3 +183,18 @@ def test_a_killed_replica_fails_only_its_own_stream(service, client, url):
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     faults = {s.labels["replica"]: s.value for s in families["cosyapp_replica_faults"].samples}
     assert faults == {str(victim): 1.0, str(1 - victim): 0.0}
+
+
+def test_the_flags_and_their_variables(monkeypatch, capsys):
+    assert (parse_settings([]).replicas, parse_settings([]).gpus_per_replica) == (1, None)
+    monkeypatch.setenv("COSYAPP_REPLICAS", "3")
+    monkeypatch.setenv("COSYAPP_GPUS_PER_REPLICA", "0.5")
+    assert (parse_settings([]).replicas, parse_settings([]).gpus_per_replica) == (3, 0.5)
+    assert parse_settings(["--replicas", "2", "--gpus-per-replica", "1"]).gpus_per_replica == 1.0
+    for flags, message in [
+        (["--replicas", "0"], "--replicas must be at least 1"),
+        (["--gpus-per-replica", "-1"], "--gpus-per-replica must be 0 or more"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_settings(flags)
+        assert message in capsys.readouterr().err
