@@ -10,12 +10,22 @@ For B streams of one sentence each (3 s prompt, 260 tokens, upstream's hop sched
   shared prompt pages.
 Also: achieved TFLOP/s per call (torch's FlopCounterMode), the accuracy of each path against float32
 recompute, and how far the chunk-masked incremental final chunk is from upstream's full-attention one.
+
+FLOW_CACHE_COMPILE=1 measures --compile-flow instead (engine/token2wav/fused.py): eager against
+compiled estimator, both replayed from CUDA graphs as served, at batch 1, 16 and 64, for a whole
+clip (recompute path, full attention) and every incremental chunk call of the schedule: ms per call,
+TFLOP/s, the largest difference compiled against eager (fp16), and the first calls' time, which
+holds the compile (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
 """
 
+import copy
+import functools
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,13 +39,16 @@ from cosyapp.engine.token2wav.flow_cache import (
     raw_estimator,
     voice_frames,
 )
+from cosyapp.engine.token2wav.fused import fuse_estimator
+from cosyapp.engine.token2wav.graphs import GraphedEstimator
 from cosyapp.models.flow import CausalMaskedDiffWithXvec
 
 # FLOW_CACHE_SMOKE=1: a quick run of every path on the CPU (no timing value), to check the script.
 SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
+COMPILE = os.environ.get("FLOW_CACHE_COMPILE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
-BATCHES = (1, 2) if SMOKE else (1, 4, 16, 32, 64)
+BATCHES = (1, 2) if SMOKE else (1, 16, 64) if COMPILE else (1, 4, 16, 32, 64)
 
 
 def autocast():
@@ -130,7 +143,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 @torch.inference_mode()
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else "flow-cache-speed.json"
+    default_out = "flow-compile-speed.json" if COMPILE else "flow-cache-speed.json"
+    out = sys.argv[1] if len(sys.argv) > 1 else default_out
     torch.manual_seed(0)
     flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
     est = raw_estimator(flow)
@@ -145,8 +159,29 @@ def main() -> None:
     tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     calls = schedule(PROMPT, TOKENS)
     emit({"check": "setup", "page_bytes": page_bytes, "calls": calls})
+    if COMPILE:
+        compare_compiled(flow, v, tokens, calls, emit)
+    else:
+        accuracy(flow, v, tokens, calls, emit)
+        for batch in BATCHES:
+            measure_batch(flow, v, tokens, calls, batch, emit)
+            if DEVICE.type == "cuda":
+                torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
-    # Accuracy, one stream: incremental fp16 and fp32 against recompute fp32, chunk by chunk.
+
+def accuracy(flow, v, tokens, calls, emit) -> None:
+    """One stream: incremental fp16 and fp32 against recompute fp32, chunk by chunk."""
+    est = raw_estimator(flow)
     pool32 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float32)
     pool16 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float16)
     c32, c16 = FlowCache(), FlowCache()
@@ -169,22 +204,6 @@ def main() -> None:
             row["full_attention_final_frames"] = ref.shape[1]
         emit(row)
     pool32.release(c32.pages), pool16.release(c16.pages)
-    del pool32, pool16
-
-    for batch in BATCHES:
-        measure_batch(flow, v, tokens, calls, batch, emit)
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
-                "torch": torch.__version__,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
 
 
 def run_schedule(flow, pool, runner, v, batch, tokens, calls, timings: list | None = None):
@@ -206,6 +225,17 @@ def run_schedule(flow, pool, runner, v, batch, tokens, calls, timings: list | No
     return frames
 
 
+def incremental_flops(flow, pool, v, tokens, calls, i: int) -> float:
+    """FLOPs of one stream's call ``i`` of the schedule."""
+    probe = start_caches(flow, pool, v, 1)
+    for m, f in calls[:i]:  # bring one stream to this call, then count the call's FLOPs
+        incremental(flow, pool, v, probe, tokens[:m], f)
+    n, final = calls[i]
+    count = flops(lambda: incremental(flow, pool, v, probe, tokens[:n], final))
+    pool.release(probe[0].pages)
+    return count
+
+
 def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
     """Every call of the schedule for `batch` streams: recompute, incremental eager and graphed."""
     est = raw_estimator(flow)
@@ -224,11 +254,7 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
         recompute(flow, v, tokens[:n], batch, final)  # warm-up of this shape
         _, rec_ms = timed(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
         rec_flops = flops(lambda: recompute(flow, v, tokens[:n], batch, final))  # noqa: B023
-        probe = start_caches(flow, pool, v, 1)
-        for m, f in calls[:i]:  # bring one stream to this call, then count the call's FLOPs
-            incremental(flow, pool, v, probe, tokens[:m], f)
-        inc_flops = batch * flops(lambda: incremental(flow, pool, v, probe, tokens[:n], final))  # noqa: B023
-        pool.release(probe[0].pages)
+        inc_flops = batch * incremental_flops(flow, pool, v, tokens, calls, i)
         rec_total += rec_ms
         emit(
             {
@@ -263,6 +289,96 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
             "page_gb": round(pages * KVPool.page_bytes(est, 10, torch.float16) / 2**30, 1),
         }
     )
+
+
+def graphed_copies(flow) -> tuple:
+    """(eager, compiled) copies of ``flow``, each estimator replayed from CUDA graphs, and the
+    compiled copy's inductor cache folder (a new one, unless TORCHINDUCTOR_CACHE_DIR is set)."""
+    eager, compiled = copy.deepcopy(flow), copy.deepcopy(flow)
+    cache = Path(tempfile.mkdtemp(prefix="inductor-"))
+    fuse_estimator(compiled.decoder.estimator, cache)
+    for f in (eager, compiled):
+        f.decoder.estimator = GraphedEstimator(f.decoder.estimator)
+    return eager, compiled, os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compare_compiled(flow, v, tokens, calls, emit) -> None:
+    """Eager against compiled, both graphed: a whole clip and every chunk call, per batch size."""
+    eager, compiled, cache = graphed_copies(flow)
+    emit({"check": "compile_setup", "inductor_cache": cache})
+    flows = {"eager": eager, "compiled": compiled}
+    for batch in BATCHES:
+        clip = {name: functools.partial(whole_clip, f, v, tokens, batch) for name, f in flows.items()}
+        first_s = {name: timed(fn)[1] / 1000 for name, fn in clip.items()}  # compiles, captures
+        ms = {name: mean_ms(fn) for name, fn in clip.items()}
+        work = flops(functools.partial(whole_clip, flow, v, tokens, batch))
+        emit(
+            {
+                "check": "compile_whole_clip",
+                "batch": batch,
+                "tokens": len(tokens),
+                **{f"{k}_first_call_s": round(x, 1) for k, x in first_s.items()},
+                **{f"{k}_ms": round(x, 2) for k, x in ms.items()},
+                **{f"{k}_tflops": round(work / x / 1e9, 1) for k, x in ms.items()},
+                "compiled_vs_eager_max_abs": (clip["compiled"]() - clip["eager"]()).abs().max().item(),
+            }
+        )
+        compare_incremental(flow, eager, compiled, v, tokens, calls, batch, emit)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def whole_clip(flow, v, tokens, batch: int) -> torch.Tensor:
+    return recompute(flow, v, tokens, batch, True, streaming=False)
+
+
+def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emit) -> None:
+    """Every chunk call of the schedule for ``batch`` streams, eager against compiled, both graphed."""
+    est = raw_estimator(flow)
+    pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
+    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    runners = {
+        name: IncrementalFlow(f, pool, graphs=True) for name, f in (("eager", eager), ("compiled", compiled))
+    }
+    first_s, timings, frames = {}, {}, {}
+    for name, runner in runners.items():
+        started = time.perf_counter()
+        run_schedule(flow, pool, runner, v, batch, tokens, calls)  # compiles, captures the buckets
+        first_s[name] = time.perf_counter() - started
+        timings[name] = []
+        frames[name] = run_schedule(flow, pool, runner, v, batch, tokens, calls, timings=timings[name])
+    for i, (n, final) in enumerate(calls):
+        work = batch * incremental_flops(flow, pool, v, tokens, calls, i)
+        ms = {name: t[i] for name, t in timings.items()}
+        emit(
+            {
+                "check": "compile_incremental_call",
+                "batch": batch,
+                "tokens": n,
+                "final": final,
+                "new_frames": frames["eager"][i].shape[1],
+                **{f"{k}_ms": round(x, 2) for k, x in ms.items()},
+                **{f"{k}_tflops": round(work / x / 1e9, 1) for k, x in ms.items()},
+                "compiled_vs_eager_max_abs": (frames["compiled"][i] - frames["eager"][i]).abs().max().item(),
+            }
+        )
+    emit(
+        {
+            "check": "compile_incremental_sentence",
+            "batch": batch,
+            **{f"{k}_ms": round(sum(t), 1) for k, t in timings.items()},
+            **{f"{k}_first_sentence_s": round(x, 1) for k, x in first_s.items()},
+        }
+    )
+
+
+def mean_ms(fn, repeats: int = 3) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeats * 1000
 
 
 if __name__ == "__main__":
