@@ -8,14 +8,16 @@ of one replica (``num_replicas=1``, ``ray_actor_options={"num_gpus": ...}``). Se
 on a GPU of any node, health-checks it and starts it again when it dies; this ingress picks the
 replica of each new stream itself. Serve's own routing (power of two choices over a deployment's
 replicas) sees only requests in flight, not the queued token2wav work that says how loaded a
-replica really is, and its pluggable request router is still a developer API; with a deployment per
+replica really is, and its pluggable request router is still an alpha API; with a deployment per
 index the choice is ours, in a few lines, and a stream's replica is known by name for its fault
 message.
 
-Routing: a new stream goes to the serving replica with the most headroom, the fewest streams (this
-ingress's count, or the replica's report if higher) plus queued token2wav jobs, ties to the one
-chosen least recently; its chunks all come from that replica through one streaming call. Whole
-clips (``synthesize``) are streams too, so a Gradio batch spreads over the replicas.
+Routing: a new stream goes to the serving replica with the most headroom, the fewest streams plus
+queued token2wav jobs, ties to the one chosen least recently. The streams are this ingress's count:
+every stream passes through it, so the count is exact at once, where a report is up to
+``REPORT_PERIOD_S`` old; the queued jobs are the replica's latest report. A stream's chunks all
+come from its replica through one streaming call. Whole clips (``synthesize``) are streams too, so
+a Gradio batch spreads over the replicas.
 
 Admission: ``FairAdmission`` runs here, over every replica's slots (``max_streams`` each), so
 fairness across clients holds for the whole cluster; a replica's own admission then never waits.
@@ -87,9 +89,8 @@ class Replica:
 
     def load(self) -> int:
         """Streams running on it plus its queued token2wav jobs: lower is more headroom."""
-        report = self.report or {}
-        reported = report.get("health", {}).get("active_streams", 0)
-        return max(self.streams, reported) + report.get("queued_jobs", 0)
+        report = self.report
+        return self.streams + (report["queued_jobs"] if report else 0)
 
     def lost(self, why: str) -> None:
         """Leave it out of routing until it reports again."""
@@ -110,7 +111,7 @@ class Replica:
             "engine": report["engine"] if report else None,
             "lm": health.get("lm"),
             "lm_restarts": health.get("lm_restarts", 0),
-            "active_streams": max(self.streams, health.get("active_streams", 0)),
+            "active_streams": self.streams,
             "queued_jobs": report["queued_jobs"] if report else 0,
             "requests": report["metrics"]["requests"] if report else None,  # since it (re)started
             "faults": self.faults,
