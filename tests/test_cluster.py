@@ -33,7 +33,9 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def service(local_ray, tmp_path_factory):
-    return make_service(tmp_path_factory, replicas=2)
+    # Its own data folder: voices saved by other modules, with previews of their models, would be
+    # queued for new previews at start, and those requests would run on the replicas meanwhile.
+    return make_service(tmp_path_factory, replicas=2, data_dir=tmp_path_factory.mktemp("cluster-data"))
 
 
 @pytest.fixture(scope="module")

@@ -263,16 +263,19 @@ def test_hift_on_its_own_thread_gives_every_stream_the_same_audio(tiny_model):
 def test_stopping_with_hift_on_its_own_thread_ends_both_threads(tiny_model):
     async def main():
         engine = Token2Wav(tiny_model, overlap_hift=True, max_batch=1)
+        before = set(threading.enumerate())  # other tests' engines may still run in this process
         engine.start()
+        threads = set(threading.enumerate()) - before
         runs = [asyncio.create_task(_collect(engine, 37, 300, seed=i)) for i in range(3)]
         while engine.stats().jobs_done < 2:
             await asyncio.sleep(0.01)
         engine.stop()
         results = await asyncio.gather(*runs, return_exceptions=True)
-        return results, {t.name for t in threading.enumerate()}
+        return results, threads
 
     results, threads = asyncio.run(main())
-    assert not {"token2wav", "token2wav-hift"} & threads
+    assert {t.name for t in threads} == {"token2wav", "token2wav-hift"}
+    assert not [t for t in threads if t.is_alive()]
     # Jobs still queued when it stopped fail with the worker's message; none hangs.
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all("stopped" in str(e) for e in errors)
