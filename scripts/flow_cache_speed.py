@@ -151,9 +151,19 @@ def main() -> None:
     page_bytes = KVPool.page_bytes(est, flow.decoder.n_timesteps, torch.float16)
     rows = []
 
-    def emit(row: dict) -> None:
+    def emit(row: dict) -> None:  # the file is rewritten each row: a run cut short keeps its rows
         print(json.dumps(row), flush=True)
         rows.append(row)
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
     v = voice()
     tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -167,16 +177,6 @@ def main() -> None:
             measure_batch(flow, v, tokens, calls, batch, emit)
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
-                "torch": torch.__version__,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
 
 
 def accuracy(flow, v, tokens, calls, emit) -> None:

@@ -221,6 +221,14 @@ def test_options_keep_the_earlier_flags_and_add_first_hop_and_eager_flow():
     assert parse_args([]).cuda_graphs
 
 
+def test_compile_flow_reaches_the_serve_options_and_is_no_variant_field(capsys):
+    assert parse_args(["--compile-flow"]).serve.compile_flow
+    assert not parse_args([]).serve.compile_flow
+    with pytest.raises(SystemExit):  # it changes the model's estimator, not the swapped worker
+        parse_args(["--variant", "fused:compile_flow=true"])
+    assert "'compile_flow' is not one of" in capsys.readouterr().err
+
+
 def test_the_in_process_benchmark_imports_nothing_the_gpu_machine_lacks():
     blocked = ", ".join(repr(name) for name in NOT_ON_GPU_MACHINE)
     code = (

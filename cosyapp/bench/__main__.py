@@ -29,6 +29,7 @@ from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
 # The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav).
+# The token2wav worker's options; compile_flow is not one: it changes the model's estimator in place.
 VARIANT_FIELDS = ("first_hop", "flow_cache_gb", "chunked_final", "overlap_hift", "max_batch", "flow_dtype")
 SMOKE = {
     "clients": "1,2",
@@ -127,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
     add(
+        "--compile-flow",
+        action="store_true",
+        help="the flow estimator's memory-bound work as kernels fused by torch.compile (as serve's flag)",
+    )
+    add(
         "--variant",
         dest="variants",
         action="append",
@@ -171,6 +177,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             cuda_graphs=args.cuda_graphs,
             flow_cache_gb=args.flow_cache_gb,
             chunked_final=args.chunked_final,
+            compile_flow=args.compile_flow,
             slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:
