@@ -139,7 +139,8 @@ class Pipeline:
         steps as large as the worker's step_frames allows).
 
         A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
-        incremental flow's graphs of those shapes are captured here rather than during requests."""
+        incremental flow's graphs of those shapes are captured here rather than during requests: the
+        worker captures them between steps, and this waits until it has."""
         g = torch.Generator().manual_seed(0)
         prompt = PromptInputs(
             text_ids=torch.zeros(1, dtype=torch.long),
@@ -164,6 +165,8 @@ class Pipeline:
                 [self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)], batch
             )
             batch *= 2
+        while self.token2wav.pending_captures:
+            await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
         """Stop the engines (idempotent)."""

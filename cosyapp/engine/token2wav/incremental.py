@@ -5,6 +5,7 @@ Euler steps can be replayed from one CUDA graph per shape bucket (``IncrementalG
 path runs the same code. See flow_cache.py for what is kept and why it is exact.
 """
 
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -19,6 +20,8 @@ from cosyapp.models.flow_estimator import (
     CausalResnetBlock1D,
     time_embedding,
 )
+
+log = logging.getLogger(__name__)
 
 ROWS = 2  # CFG: the conditional row, then the unconditional one
 TAIL = 2  # inputs a kernel-3 causal convolution reads before the current frame
@@ -183,23 +186,60 @@ class IncrementalGraphs:
     """``run_cfm`` replayed from one CUDA graph per (rows, new frames, past pages) bucket.
 
     Eager, a call is launch-bound at every batch size (docs/benchmarks/README.md); replayed, the
-    kernels run back to back. A bucket is captured on its first call; the Pipeline's warm-up makes the
-    common ones (Pipeline.warm_up_token2wav).
+    kernels run back to back. The Pipeline's warm-up meets the common buckets
+    (Pipeline.warm_up_token2wav). A capture runs the call eagerly three times, so with ``defer`` a
+    bucket's first call runs eagerly once and keeps a copy of its inputs; the worker captures it when
+    it has nothing queued (``capture_missed``), and a call that comes before that runs eagerly too.
+    Without ``defer`` the first call captures and then replays, holding the worker meanwhile.
     """
 
-    def __init__(self, estimator: CausalConditionalDecoder, k: Tensor, v: Tensor, cfg_rate: float):
+    def __init__(
+        self, estimator: CausalConditionalDecoder, k: Tensor, v: Tensor, cfg_rate: float, defer: bool = True
+    ):
         self.estimator, self.k, self.v, self.cfg_rate = estimator, k, v, cfg_rate
+        self.defer = defer
         self._graphs: dict[tuple, _Graph] = {}
+        self._missed: dict[tuple, CallInputs] = {}  # buckets met but not captured: a call's inputs
+        self._eager: set[tuple] = set()  # buckets whose capture ran out of memory
         self._pool = None
+
+    @property
+    def missed(self) -> int:
+        """Buckets waiting for ``capture_missed``."""
+        return len(self._missed)
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
         if not inputs.x.is_cuda:
             return run_cfm(self.estimator, self.k, self.v, inputs, self.cfg_rate)
         key = (*inputs.attn_mask.shape, inputs.x.dtype, inputs.tails.dtype, _autocast_dtype(inputs.x.device))
-        graph = self._graphs.get(key) or self._capture(key, inputs)
+        graph = self._graphs.get(key)
+        if graph is None and (self.defer or key in self._eager):
+            if key not in self._missed and key not in self._eager:
+                kept = inputs.empty_like()
+                kept.copy_(inputs)
+                self._missed[key] = kept
+            return run_cfm(self.estimator, self.k, self.v, inputs, self.cfg_rate)
+        graph = graph or self._capture(key, inputs)
         graph.inputs.copy_(inputs)
         graph.graph.replay()
         return graph.x.clone(), graph.tails.clone()
+
+    def capture_missed(self) -> bool:
+        """Capture one bucket a call met since (under the autocast it ran with); False when none was
+        waiting. Call it from the thread that runs the calls, on its CUDA stream."""
+        if not self._missed:
+            return False
+        key = next(iter(self._missed))
+        like = self._missed.pop(key)
+        dtype = key[-1]
+        try:
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                self._capture(key, like)
+        except torch.cuda.OutOfMemoryError:  # the calls of this bucket stay eager
+            log.warning("no memory to capture the incremental flow's graph for %s; it runs eagerly", key[:4])
+            self._graphs.pop(key, None)
+            self._eager.add(key)
+        return True
 
     def _capture(self, key: tuple, like: CallInputs) -> _Graph:
         static = like.empty_like()

@@ -68,18 +68,24 @@ class JobQueue:
             self._changed.notify()
             return left
 
-    def take(self) -> list[Job] | None:
+    def take(self, idle: Callable[[], bool] | None = None) -> list[Job] | None:
         """Block until there are jobs (and no hold), then remove and return the next step's batch;
-        None once closed."""
-        with self._changed:
-            while not self._closed and (self._held or not self._jobs):
-                self._changed.wait()
-            if self._closed:
-                return None
-            batch = self._select()
-            taken = set(map(id, batch))
-            self._jobs = [job for job in self._jobs if id(job) not in taken]
-            return batch
+        None once closed. While nothing is queued, ``idle`` (if given) is called, outside the lock,
+        for one piece of background work at a time; it returns False when it has none left."""
+        while True:
+            with self._changed:
+                if not self._closed and not self._held and self._jobs:
+                    batch = self._select()
+                    taken = set(map(id, batch))
+                    self._jobs = [job for job in self._jobs if id(job) not in taken]
+                    return batch
+                if self._closed:
+                    return None
+                if idle is None or self._held:
+                    self._changed.wait()
+                    continue
+            if not idle():
+                idle = None  # nothing left: wait for jobs as usual (new work comes with new jobs)
 
     def _select(self) -> list[Job]:
         order = sorted(range(len(self._jobs)), key=lambda i: (deadline(self._jobs[i]), i))

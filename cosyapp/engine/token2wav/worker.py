@@ -168,6 +168,17 @@ class Token2Wav:
             for job in left:
                 job.resolve(error=RuntimeError("the token2wav worker was stopped"))
 
+    @property
+    def pending_captures(self) -> int:
+        """Incremental-flow graph buckets met and not yet captured (incremental.py)."""
+        graphs = self.cached.flow.graphs if self.cached is not None else None
+        return graphs.missed if graphs is not None else 0
+
+    def _capture_one(self) -> bool:
+        """The flow thread's work while nothing is queued: capture one bucket met since."""
+        graphs = self.cached.flow.graphs if self.cached is not None else None
+        return graphs is not None and graphs.capture_missed()
+
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
         return replace(self._stats, queue_depth=len(self._queue))
@@ -224,7 +235,7 @@ class Token2Wav:
         """The flow thread: each step's jobs through the flow, then to HiFT (here, or handed over)."""
         dtype = self.model.flow.input_embedding.weight.dtype
         with torch.inference_mode(), self._own_cuda_stream():
-            while (jobs := self._queue.take()) is not None:
+            while (jobs := self._queue.take(idle=self._capture_one)) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
                 for job in live:
