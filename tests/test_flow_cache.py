@@ -27,8 +27,9 @@ def prompt(tokens: int, seed: int):
     )
 
 
-def recompute(flow, p, tokens: torch.Tensor, final: bool) -> torch.Tensor:
-    """All frames after the prompt from one streaming-mask pass over the prefix (the recompute path)."""
+def recompute(flow, p, tokens: torch.Tensor, final: bool, streaming: bool = True) -> torch.Tensor:
+    """All frames after the prompt from one streaming-mask pass over the prefix (the recompute path);
+    ``streaming=False``: one full-attention pass (a whole clip)."""
     speech, feat, emb = p
     mel, mel_len = flow.inference(
         token=tokens[None],
@@ -38,7 +39,7 @@ def recompute(flow, p, tokens: torch.Tensor, final: bool) -> torch.Tensor:
         prompt_feat=feat[None],
         prompt_feat_len=torch.tensor([len(feat)]),
         embedding=emb[None],
-        streaming=True,
+        streaming=streaming,
         finalize=final,
     )
     return mel[0, :, : int(mel_len[0])]

@@ -52,19 +52,7 @@ def test_the_recompute_path_gives_the_eager_mel(tiny_model, fused, streaming):
 
 
 def whole(flow, p, tokens):
-    speech, feat, emb = p
-    mel, _ = flow.inference(
-        token=tokens[None],
-        token_len=torch.tensor([len(tokens)]),
-        prompt_token=speech[None],
-        prompt_token_len=torch.tensor([len(speech)]),
-        prompt_feat=feat[None],
-        prompt_feat_len=torch.tensor([len(feat)]),
-        embedding=emb[None],
-        streaming=False,
-        finalize=True,
-    )
-    return mel[0]
+    return recompute(flow, p, tokens, final=True, streaming=False)
 
 
 @pytest.mark.parametrize("padded", [False, True])

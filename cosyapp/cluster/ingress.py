@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from cosyapp.engine.admission import FairAdmission
 from cosyapp.engine.metrics import WINDOWS, Metrics
-from cosyapp.engine.pipeline import AudioChunk
+from cosyapp.engine.pipeline import AudioChunk, WholeClips
 from cosyapp.engine.request import SynthesisRequest
 from cosyapp.errors import BusyError, UserError
 from cosyapp.options import ServeOptions
@@ -158,7 +157,7 @@ class ClusterMetrics(Metrics):
         return "\n".join(lines) + "\n"
 
 
-class ClusterPipeline:
+class ClusterPipeline(WholeClips):
     """The Pipeline's interface as the web layer uses it (stream, synthesize, health, metrics,
     admission), served by the replicas behind ``handles``. ``launch`` builds one."""
 
@@ -295,18 +294,6 @@ class ClusterPipeline:
             finally:
                 replica.streams -= 1
                 self.metrics.end(record, status)
-
-    async def synthesize(self, request: SynthesisRequest) -> tuple[int, np.ndarray]:
-        """The whole clip of ``request``: (sample rate, float32 samples)."""
-        pieces = [chunk.samples async for chunk in self.stream(request)]
-        return self.sample_rate, np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-
-    async def synthesize_batch(
-        self, requests: list[SynthesisRequest]
-    ) -> list[tuple[int, np.ndarray] | Exception]:
-        """Whole clips of many requests at once, spread over the replicas; one failure never affects
-        the others."""
-        return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
 
 
 def launch(settings: "Settings", model_dir: Path) -> ClusterPipeline:

@@ -67,7 +67,33 @@ def sentence_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") & MAX_SEED
 
 
-class Pipeline:
+class WholeClips:
+    """Whole clips from a ``stream(request)`` of AudioChunks at ``sample_rate``: the one rule the
+    Pipeline and the cluster ingress (cosyapp/cluster/ingress.py) share for them."""
+
+    sample_rate: int
+
+    def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        raise NotImplementedError
+
+    async def synthesize(self, request: SynthesisRequest) -> tuple[int, np.ndarray]:
+        """The whole clip of ``request``: (sample rate, float32 samples)."""
+        pieces = [chunk.samples async for chunk in self.stream(request)]
+        return self.sample_rate, np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    async def synthesize_batch(
+        self, requests: list[SynthesisRequest]
+    ) -> list[tuple[int, np.ndarray] | Exception]:
+        """Whole clips of many requests at once (their work shares the engines' batches; in a cluster
+        they spread over the replicas).
+
+        Each entry is that request's clip or the exception that ended it; one failure never affects
+        the others.
+        """
+        return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
+
+
+class Pipeline(WholeClips):
     """Serves every session from one LM engine and one token2wav worker."""
 
     def __init__(
@@ -280,21 +306,6 @@ class Pipeline:
         budget.spend(cap.made)
         if note is not None and cap.made >= max_tokens:
             yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, index, note)
-
-    async def synthesize(self, request: SynthesisRequest) -> tuple[int, np.ndarray]:
-        """The whole clip of ``request``: (sample rate, float32 samples)."""
-        pieces = [chunk.samples async for chunk in self.stream(request)]
-        return self.sample_rate, np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-
-    async def synthesize_batch(
-        self, requests: list[SynthesisRequest]
-    ) -> list[tuple[int, np.ndarray] | Exception]:
-        """Whole clips of many requests at once (their work shares the engines' batches).
-
-        Each entry is that request's clip or the exception that ended it; one failure never affects
-        the others.
-        """
-        return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
 
     def _prompt_embeds(self, prompt: PromptInputs, ids: tuple[int, ...]) -> torch.Tensor:
         """The LM's prompt embeddings (L0, D) float32 on the CPU, from what the LM sees of the
