@@ -39,7 +39,7 @@ import torch
 
 from cosyapp.engine.admission import FairAdmission
 from cosyapp.engine.metrics import WINDOWS, Metrics
-from cosyapp.engine.pipeline import AudioChunk, WholeClips
+from cosyapp.engine.pipeline import AudioChunk, ServingFront
 from cosyapp.engine.request import SynthesisRequest
 from cosyapp.errors import BusyError, UserError
 from cosyapp.options import ServeOptions
@@ -157,7 +157,7 @@ class ClusterMetrics(Metrics):
         return "\n".join(lines) + "\n"
 
 
-class ClusterPipeline(WholeClips):
+class ClusterPipeline(ServingFront):
     """The Pipeline's interface as the web layer uses it (stream, synthesize, health, metrics,
     admission), served by the replicas behind ``handles``. ``launch`` builds one."""
 
@@ -187,14 +187,6 @@ class ClusterPipeline(WholeClips):
             gpu_memory_gb=lambda: sum(self.metrics.reported("gpu_memory_gb")),
             **{name: largest(name) for name in BATCH_GAUGES},  # the busiest replica's
         )
-
-    @property
-    def max_streams(self) -> int:
-        return self.admission.max_streams
-
-    @property
-    def max_waiting(self) -> int:
-        return self.admission.max_waiting
 
     async def start(self, warm_up: bool = False) -> None:
         """Start watching the replicas' reports (idempotent). The replicas started their engines,

@@ -67,11 +67,21 @@ def sentence_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") & MAX_SEED
 
 
-class WholeClips:
-    """Whole clips from a ``stream(request)`` of AudioChunks at ``sample_rate``: the one rule the
-    Pipeline and the cluster ingress (cosyapp/cluster/ingress.py) share for them."""
+class ServingFront:
+    """What the web layer calls, the same on a Pipeline and on the cluster ingress
+    (cosyapp/cluster/ingress.py): each has its own ``stream`` and ``admission``; the whole clips and
+    the admission's limits are defined here once."""
 
     sample_rate: int
+    admission: FairAdmission
+
+    @property
+    def max_streams(self) -> int:
+        return self.admission.max_streams
+
+    @property
+    def max_waiting(self) -> int:
+        return self.admission.max_waiting
 
     def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         raise NotImplementedError
@@ -93,7 +103,7 @@ class WholeClips:
         return await asyncio.gather(*(self.synthesize(r) for r in requests), return_exceptions=True)
 
 
-class Pipeline(WholeClips):
+class Pipeline(ServingFront):
     """Serves every session from one LM engine and one token2wav worker."""
 
     def __init__(
@@ -125,14 +135,6 @@ class Pipeline(WholeClips):
             token2wav_max_batch_size=lambda: self.token2wav.stats().max_flow_batch,
             gpu_memory_gb=_gpu_memory_gb,
         )
-
-    @property
-    def max_streams(self) -> int:
-        return self.admission.max_streams
-
-    @property
-    def max_waiting(self) -> int:
-        return self.admission.max_waiting
 
     @property
     def sample_rate(self) -> int:
