@@ -53,6 +53,15 @@ class CachedFlow:
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
         logger.info("incremental streaming flow: %d pages of %d frames", pages, self.pool.page)
 
+    @property
+    def missed_graphs(self) -> int:
+        """Graph buckets the calls met and ``capture_missed`` has not captured yet."""
+        return self.flow.graphs.missed if self.flow.graphs is not None else 0
+
+    def capture_missed(self) -> bool:
+        """Capture one missed graph bucket (on the flow thread); False when none is waiting."""
+        return self.flow.graphs is not None and self.flow.graphs.capture_missed()
+
     def serves(self, job: Job) -> bool:
         """Whether ``job`` would go the incremental way, as far as is known before ``takes``."""
         stream = job.stream

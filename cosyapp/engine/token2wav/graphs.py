@@ -10,10 +10,18 @@ Calls larger than the biggest bucket (MAX_CELLS) run eagerly: there the GPU, not
 limit, and padding would only add work.
 """
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from cosyapp.models.cosyvoice2 import CosyVoice2
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)  # estimator rows: CFG doubles the items, so up to 32 items
 FRAME_STEP = 128  # frames are padded up to a multiple of this ...
@@ -169,3 +177,21 @@ def _fill(static: tuple[Tensor, ...], given: tuple[Tensor, ...]) -> None:
     smask[:rows, :, :frames].copy_(mask)
     st[:rows].copy_(t)
     sspks[:rows].copy_(spks)
+
+
+def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | None) -> int:
+    """Capture every bucket of ``model``'s flow estimator if it is a GraphedEstimator, for the dtype
+    the token2wav worker runs it in (``autocast_dtype``, else the flow's own). Returns the count."""
+    estimator = model.flow.decoder.estimator
+    if not isinstance(estimator, GraphedEstimator):
+        return 0
+    dev = model.device
+    dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
+    with (
+        torch.inference_mode(),
+        torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
+    ):
+        started = time.perf_counter()
+        count = estimator.capture_all(dev, dtype)
+    log.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
+    return count

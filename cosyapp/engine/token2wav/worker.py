@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
+from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stream import Job, Stream
@@ -137,22 +138,8 @@ class Token2Wav:
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
-        (engine/graphs.py); call before start(). Returns the graphs captured (0 without graphs)."""
-        from cosyapp.engine.token2wav.graphs import GraphedEstimator
-
-        estimator = self.model.flow.decoder.estimator
-        if not isinstance(estimator, GraphedEstimator):
-            return 0
-        dev = self.model.device
-        dtype = self.autocast_dtype or self.model.flow.input_embedding.weight.dtype
-        with (
-            torch.inference_mode(),
-            torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None),
-        ):
-            started = time.perf_counter()
-            count = estimator.capture_all(dev, dtype)
-        logger.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
-        return count
+        (graphs.py); call before start(). Returns the graphs captured (0 without graphs)."""
+        return capture_estimator_graphs(self.model, self.autocast_dtype)
 
     def stop(self) -> None:
         """Stop and join the worker; queued jobs fail with RuntimeError. Idempotent."""
@@ -171,13 +158,7 @@ class Token2Wav:
     @property
     def pending_captures(self) -> int:
         """Incremental-flow graph buckets met and not yet captured (incremental.py)."""
-        graphs = self.cached.flow.graphs if self.cached is not None else None
-        return graphs.missed if graphs is not None else 0
-
-    def _capture_one(self) -> bool:
-        """The flow thread's work while nothing is queued: capture one bucket met since."""
-        graphs = self.cached.flow.graphs if self.cached is not None else None
-        return graphs is not None and graphs.capture_missed()
+        return self.cached.missed_graphs if self.cached is not None else 0
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
@@ -234,8 +215,10 @@ class Token2Wav:
     def _work(self) -> None:
         """The flow thread: each step's jobs through the flow, then to HiFT (here, or handed over)."""
         dtype = self.model.flow.input_embedding.weight.dtype
+        # While nothing is queued, it captures the incremental flow's missed graph buckets.
+        idle = self.cached.capture_missed if self.cached is not None else None
         with torch.inference_mode(), self._own_cuda_stream():
-            while (jobs := self._queue.take(idle=self._capture_one)) is not None:
+            while (jobs := self._queue.take(idle)) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
                 for job in live:
