@@ -30,6 +30,7 @@ from cosyapp.codec import wav
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.request import SynthesisRequest
 from cosyapp.errors import VoiceNotFoundError
+from cosyapp.frontend.text import script_language
 from cosyapp.frontend.voices import VoiceInfo, VoiceLibrary
 from cosyapp.models.checkpoint import NETWORK_FILES
 
@@ -50,11 +51,9 @@ PAGE_PATH = "/voice-previews"  # the page's signed preview URLs (web/previews.py
 
 
 def preview_text(info: VoiceInfo, transcript: str = "") -> str:
-    """The preview sentence in the voice's language; a voice of unknown language whose transcript
-    has Chinese characters gets the Chinese one, any other the English one."""
-    import regex
-
-    language = info.language or ("zh" if regex.search(r"\p{Han}", transcript) else "en")
+    """The preview sentence in the voice's language; a voice saved before languages were kept gets
+    the one its transcript's script is written for; English where there is none."""
+    language = info.language or script_language(transcript)
     return SENTENCES.get(language, SENTENCES["en"])
 
 

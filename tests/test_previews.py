@@ -64,6 +64,8 @@ def test_the_sentence_is_in_the_voices_language():
     assert preview_text(info("fr")) == SENTENCES["en"]
     assert preview_text(info(""), transcript=AISHELL_TEXT) == SENTENCES["zh"]
     assert preview_text(info(""), transcript="Hello there") == SENTENCES["en"]
+    assert preview_text(info(""), transcript="안녕하세요 여러분") == SENTENCES["ko"]
+    assert preview_text(info(""), transcript="") == SENTENCES["en"]
 
 
 def test_concurrent_requests_for_a_new_preview_share_one_synthesis(http, service):

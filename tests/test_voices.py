@@ -95,6 +95,24 @@ def test_only_the_owner_deletes_a_private_voice(library):
     assert info.id not in {v.id for v in library.list_voices("a")}
 
 
+@pytest.mark.parametrize(
+    ("transcript", "language"),
+    [
+        (AISHELL_TEXT, "zh"),
+        ("Even trading came almost to a standstill there", "en"),
+        ("거래가 거의 멈추는 상황까지 나타났다", "ko"),
+        ("取引がほとんど止まる状況さえ現れた", "ja"),  # kanji and kana: Japanese
+    ],
+)
+def test_a_voice_saved_without_a_language_takes_its_transcripts(tmp_path, frontend, transcript, language):
+    library = VoiceLibrary(tmp_path / "data", frontend)
+    info = library.save("Page voice", str(AISHELL), transcript, session="a")
+    assert info.language == language
+    assert VoiceLibrary(tmp_path / "data", frontend).get(info.id, "a").info.language == language  # kept
+    heard = library.save("Heard voice", str(AISHELL), AISHELL_TEXT, session="a", language="yue")
+    assert heard.language == "yue"  # a recogniser's language wins over the script
+
+
 def test_voice_names_are_sanitised():
     assert sanitize_name("  ../../etc/passwd\n<b>Bob</b>\t ") == "....etcpasswd bBobb"
     assert sanitize_name("Zoë  ​ 小明") == "Zoë 小明"

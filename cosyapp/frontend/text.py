@@ -277,6 +277,20 @@ def _is_chinese(text: str) -> bool:
     return _CJK.search(text) is not None
 
 
+def script_language(text: str) -> str:
+    """The language ``text``'s letters are written for, where no recogniser said: ko for any
+    Hangul, ja for any kana, zh for Chinese characters (the check the prompt's normalisation makes
+    without a language), en for Latin letters, "" for none of these. Cantonese reads as zh."""
+    import regex
+
+    for language, script in (("ko", r"\p{Hangul}"), ("ja", r"[\p{Hiragana}\p{Katakana}]")):
+        if regex.search(script, text):
+            return language
+    if _is_chinese(text):
+        return "zh"
+    return "en" if regex.search(r"\p{Latin}", text) else ""
+
+
 def remove_control_characters(text: str) -> str:
     """``text`` without control characters other than tab and newline, and without lone surrogates.
 

@@ -28,6 +28,7 @@ import torch
 from cosyapp.codec import wav
 from cosyapp.errors import VoiceError, VoiceNotFoundError
 from cosyapp.frontend.features import VoiceFeatures
+from cosyapp.frontend.text import script_language
 from cosyapp.frontend.voice_rules import check_prompt_text, sanitize_name
 from cosyapp.models.cosyvoice2 import PromptInputs
 
@@ -225,7 +226,8 @@ class VoiceLibrary:
         language: str = "",
     ) -> VoiceInfo:
         """Save a user voice from a recording and its transcript (in ``language``, when known, e.g.
-        as the speech recogniser heard it); returns its listing.
+        as the speech recogniser heard it; else the language its script is written for); returns
+        its listing.
 
         The voice gets a random id; its folder is named after the id, never after ``name``.
         Raises ``VoiceError`` for an unusable recording, ``PromptTextError`` for a missing or
@@ -244,7 +246,7 @@ class VoiceLibrary:
             "owner": session,  # a shared voice stays its saver's to delete
             "shared": shared,
             "features": audio_hash(recording),
-            "language": language,
+            "language": language or script_language(prompt_text),
         }
         folder = self.user_dir / meta["id"]
         folder.mkdir()
