@@ -89,6 +89,12 @@ def assert_length(decoded: int, expected: int, response_format: str, streamed: b
     assert expected > 0 and 0 <= decoded - delay - expected < frame, (decoded, delay, expected)
 
 
+def test_a_request_naming_no_format_gets_mp3_as_from_openai(sdk, whole_length):
+    speech = sdk.audio.speech.create(model="tts-1", voice=VOICE, input=SHORT, extra_body={"seed": 3})
+    assert speech.response.headers["content-type"] == "audio/mpeg"
+    assert_length(decoded_samples(speech.content, "mp3"), whole_length, "mp3", False)
+
+
 @pytest.mark.parametrize("response_format", list(FRAMING))
 def test_every_format_decodes_to_the_clip_length_with_its_content_type(sdk, whole_length, response_format):
     speech = sdk.audio.speech.create(

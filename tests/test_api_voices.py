@@ -36,7 +36,9 @@ def create(api, path, name="API voice", transcript=None, **extra):
 
 def speak(api, voice):
     return api.post(
-        "/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "voice": voice, "seed": 1}
+        "/v1/audio/speech",
+        headers=AUTH,
+        json={"input": "Hello there.", "voice": voice, "seed": 1, "response_format": "wav"},
     )
 
 

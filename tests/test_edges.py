@@ -18,7 +18,7 @@ from cosyapp.web.api_errors import INTERNAL_ERROR  # noqa: E402
 from cosyapp.web.ui.events import INTERNAL_ERROR as UI_INTERNAL_ERROR  # noqa: E402
 
 MAX_CHARS = 60
-GOOD = {"input": "Hello there.", "voice": "en-espeak-us", "speed": 1.0, "seed": 4}
+GOOD = {"input": "Hello there.", "voice": "en-espeak-us", "speed": 1.0, "seed": 4, "response_format": "wav"}
 MAX_SEED = 2**63 - 1
 BUG = "CUDA error: device-side assert triggered in /opt/secret/kernel.cu"
 

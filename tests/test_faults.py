@@ -151,6 +151,7 @@ def test_the_vllm_engine_process_dying_fails_its_requests_clearly_and_restarts(t
         with serving(build_app(service)) as base, httpx.Client(base_url=base, timeout=300) as client:
             lm = service.pipeline.lm
             body = {"input": "Hello there. How are you today? Fine thanks. " * 8, "voice": VOICE, "seed": 1}
+            body["response_format"] = "wav"
             in_flight: dict[str, httpx.Response] = {}
             sender = threading.Thread(
                 target=lambda: in_flight.setdefault("r", client.post("/v1/audio/speech", json=body))

@@ -49,7 +49,10 @@ def client(tmp_path_factory):
 
 
 def speech(client, **body):
-    return client.post("/v1/audio/speech", json={"input": "Hello there.", "voice": VOICE, "seed": 1, **body})
+    return client.post(
+        "/v1/audio/speech",
+        json={"input": "Hello there.", "voice": VOICE, "seed": 1, "response_format": "wav", **body},
+    )
 
 
 def error_of(response, status: int) -> dict:
@@ -76,7 +79,10 @@ def test_bad_text_is_a_400_with_its_message(client, text, message):
 
 def test_control_characters_and_a_lone_surrogate_are_removed_and_the_rest_is_spoken(client):
     clean = speech(client, input="Hello there.")
-    body = b'{"input": "Hel\\u0000lo\\u001b there.\\ud800", "voice": "en-espeak-us", "seed": 1}'
+    body = (
+        b'{"input": "Hel\\u0000lo\\u001b there.\\ud800", "voice": "en-espeak-us", "seed": 1, '
+        b'"response_format": "wav"}'
+    )
     dirty = client.post("/v1/audio/speech", content=body, headers=JSON)
     assert clean.status_code == dirty.status_code == 200
     assert dirty.content == clean.content and len(clean.content) > 44
@@ -182,7 +188,7 @@ def test_a_chunked_body_without_a_length_is_capped_too(client):
 def test_a_chunked_body_within_the_limit_is_served(client):
     def chunks():
         yield b'{"input": "Hello there.", '
-        yield b'"voice": "en-espeak-us", "seed": 1}'
+        yield b'"voice": "en-espeak-us", "seed": 1, "response_format": "wav"}'
 
     response = client.post("/v1/audio/speech", content=chunks(), headers=JSON)
     assert response.status_code == 200 and response.content == speech(client).content

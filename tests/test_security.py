@@ -19,7 +19,7 @@ from cosyapp.web.server import build_app  # noqa: E402
 
 KEY = "test-key-5f2c"
 LOGIN = ("ada", "s3cret:with:colons")
-SPEECH = {"input": "Hello there.", "voice": "en-espeak-us", "seed": 1}
+SPEECH = {"input": "Hello there.", "voice": "en-espeak-us", "seed": 1, "response_format": "wav"}
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,10 @@ def client(url):
 
 
 def speech(client, **body):
-    return client.post("/v1/audio/speech", json={"input": SHORT, "voice": VOICE, **body})
+    """POST /v1/audio/speech of SHORT in VOICE as WAV, unless ``body`` says otherwise."""
+    return client.post(
+        "/v1/audio/speech", json={"input": SHORT, "voice": VOICE, "response_format": "wav", **body}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,9 @@ def test_streaming_sends_audio_while_the_clip_is_still_being_made(client, servic
     whole = speech(client, input=LONG, seed=3)
     chunks, active_at_first_audio = [], None
     with client.stream(
-        "POST", "/v1/audio/speech", json={"input": LONG, "voice": VOICE, "seed": 3, "stream": True}
+        "POST",
+        "/v1/audio/speech",
+        json={"input": LONG, "voice": VOICE, "seed": 3, "stream": True, "response_format": "wav"},
     ) as response:
         assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
         for chunk in response.iter_raw():

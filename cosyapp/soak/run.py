@@ -139,7 +139,7 @@ class Client:
         return {"input": self.rng.choice(TEXTS), "voice": VOICE, "seed": self.rng.choice(SEEDS)}
 
     def api_whole(self) -> bool:
-        body = self._body()
+        body = {**self._body(), "response_format": "wav"}
         response = self.http.post("/v1/audio/speech", json=body)
         if response.status_code == 503:
             return True

@@ -60,7 +60,7 @@ class SpeechRequest(BaseModel):
     instructions: str | None = None
     mode: str | None = None  # not OpenAI's: "cross_lingual" (or "zero_shot", the default)
     speed: float = 1.0
-    response_format: str = "wav"
+    response_format: str = "mp3"  # OpenAI's default: a client that names no format expects MP3
     stream_format: str = "audio"
     stream: bool = False
     seed: int | None = None
