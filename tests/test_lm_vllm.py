@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from importlib.util import find_spec
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
 from cosyapp.engine.lm.base import LMRequest
-from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, warmup_batch_sizes
+from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, export_lock, warmup_batch_sizes
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_distribution, recent_window
 
@@ -127,6 +128,21 @@ def test_export_reuses_an_up_to_date_folder(tiny_model, model_copy, tmp_path):
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
+def test_an_export_waits_while_another_process_writes_the_same_folder(tiny_model, model_copy, tmp_path):
+    cache = tmp_path / "cache"
+    folder = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
+    shutil.rmtree(folder)
+    with export_lock(folder):  # as another replica on this node holds it while it writes
+        waiting = threading.Thread(
+            target=export_for_vllm, args=(tiny_model.lm, model_copy, cache), kwargs={"dtype": torch.float32}
+        )
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not folder.exists()  # neither writing beside it nor replacing it
+    waiting.join(timeout=120)
+    assert not waiting.is_alive() and json.loads((folder / "source.json").read_text())["dtype"] == "float32"
+
+
 def test_export_rebuilds_when_llm_pt_changes(tiny_model, model_copy, tmp_path):
     cache = tmp_path / "cache"
     first = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
@@ -136,7 +152,8 @@ def test_export_rebuilds_when_llm_pt_changes(tiny_model, model_copy, tmp_path):
     second = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
     assert second == first
     assert (second / "model.safetensors").stat().st_ino != before.st_ino
-    assert sorted(p.name for p in cache.iterdir()) == [first.name]  # no temporary or stale folder left
+    folders = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    assert folders == [first.name]  # no temporary or stale folder left
 
 
 # --- the logits processor, on hand-made batch states ---------------------------------------------------

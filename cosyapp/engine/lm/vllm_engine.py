@@ -24,6 +24,7 @@ from hashlib import sha256
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors.torch import save_file
 
 from cosyapp.engine.admission import BusyError
@@ -60,7 +61,8 @@ def export_for_vllm(
     ``speech_embedding`` as ``model.embed_tokens`` and ``llm_decoder`` as ``lm_head`` (weight and bias).
     ``source_dir`` is the model folder ``lm`` was loaded from: a folder whose ``source.json`` matches
     its ``llm.pt`` (size, mtime) and backbone config is reused; otherwise it is rebuilt in a temporary
-    folder that replaces it by renaming, so no half-written folder is ever seen.
+    folder that replaces it by renaming, so no half-written folder is ever seen, one process at a
+    time (``export_lock``).
     """
     source = _fingerprint(source_dir, dtype)
     path_hash = sha256(str(source_dir.resolve()).encode()).hexdigest()[:8]
@@ -69,22 +71,30 @@ def export_for_vllm(
         return target
 
     cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_root))
-    try:
-        _write_export(lm, staging, dtype)
-        (staging / "source.json").write_text(json.dumps(source, indent=2))  # last: marks it complete
-        if _read_json(target / "source.json") == source:  # another process finished first
+    with export_lock(target):
+        if _read_json(target / "source.json") == source:  # written meanwhile by another process
             return target
-        stale = None
-        if target.exists():
-            stale = target.rename(cache_root / f".{target.name}.stale-{uuid.uuid4().hex}")
-        staging.rename(target)
-        if stale is not None:
-            shutil.rmtree(stale)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_root))
+        try:
+            _write_export(lm, staging, dtype)
+            (staging / "source.json").write_text(json.dumps(source, indent=2))  # last: marks it complete
+            stale = None
+            if target.exists():
+                stale = target.rename(cache_root / f".{target.name}.stale-{uuid.uuid4().hex}")
+            staging.rename(target)
+            if stale is not None:
+                shutil.rmtree(stale)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
     return target
+
+
+def export_lock(folder: Path) -> FileLock:
+    """The lock a process holds while it writes the export ``folder``: replicas on one node
+    (``--replicas``) start together, and one that replaced the folder while another's vLLM engine
+    loads it would pull it from under that engine. The lock file stays beside the folder."""
+    return FileLock(folder.parent / f".{folder.name}.lock")
 
 
 def _fingerprint(source_dir: Path, dtype: torch.dtype) -> dict:
