@@ -46,8 +46,9 @@ def api_error(http, **changes) -> tuple[int, dict]:
     return response.status_code, response.json()["error"]
 
 
-def ui_form(input: str, voice: str, speed: float, seed: int | None) -> tuple:
-    """The page's form (text, voice, recording, transcript, speed, seed, session) of an API body."""
+def ui_form(input: str, voice: str, speed: float, seed: int | None, response_format: str = "wav") -> tuple:
+    """The page's form (text, voice, recording, transcript, speed, seed, session) of an API body
+    (the page's clips are WAV: it has no format field)."""
     return input, voice, None, "", speed, seed, ""
 
 

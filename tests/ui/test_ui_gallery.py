@@ -13,6 +13,7 @@ import pytest
 from test_server import wait_until
 from test_ui_browser import open_app, save_voice
 
+from cosyapp.asr.whisper import Transcript
 from cosyapp.frontend.voices import ASSETS_VOICES
 from cosyapp.service import build_service
 from cosyapp.settings import Settings
@@ -197,6 +198,19 @@ def test_the_card_actions_refuse_a_voice_of_another_browser_or_of_the_server(sit
     assert site.service.voices.info(info.id) == info  # unchanged, still shared
     listing, _ = gallery.rename("a" * 32, event(name="Its owner renamed it"))
     assert {c["name"] for c in listing["voices"] if c["id"] == info.id} == {"Its owner renamed it"}
+
+
+def test_a_voice_saved_as_the_recogniser_heard_it_keeps_the_language_it_was_heard_in(site, recording):
+    handlers, (path, text) = Handlers(site.service), recording
+
+    def saved_language(box: str, heard: Transcript) -> str:
+        update, _ = handlers.save_voice("Heard voice", str(path), box, False, "c" * 32, heard)
+        return site.service.voices.info(update["value"], "c" * 32).language
+
+    assert saved_language(text, Transcript(text, "yue", demo=False)) == "yue"
+    # Typed over, or heard by the demo model: the language its script is written for.
+    assert saved_language(text + "了", Transcript(text, "yue", demo=False)) == "zh"
+    assert saved_language(text, Transcript(text, "en", demo=True)) == "zh"
 
 
 @pytest.fixture(scope="module")

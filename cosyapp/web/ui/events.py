@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import gradio as gr
 import numpy as np
 
+from cosyapp.asr.whisper import Transcript
 from cosyapp.codec import to_int16
 from cosyapp.engine.request import SynthesisRequest, shown
 from cosyapp.errors import UserError, VoiceError, VoiceNotFoundError
@@ -132,16 +133,27 @@ class Handlers:
         return read_upload(recording, self.max_upload_mb).audio
 
     def save_voice(
-        self, name: str, recording: str | None, prompt_text: str, shared: bool, session: str
+        self,
+        name: str,
+        recording: str | None,
+        prompt_text: str,
+        shared: bool,
+        session: str,
+        heard: Transcript | None = None,
     ) -> tuple[dict, str]:
-        """Save the recording as a named voice; returns the updated speaker control and a cleared name."""
+        """Save the recording as a named voice; returns the updated speaker control and a cleared name.
+        ``heard``: the recogniser's transcript of the recording; while the box holds it unchanged, the
+        voice keeps the language it was heard in (else its script's, frontend/voices.py)."""
         with toasts():
             prompt_text, session = as_text(prompt_text, "transcript"), as_text(session, "session")
             check_shared(shared)
             if recording is None:
                 raise VoiceError("Upload or record a voice prompt first.")
             audio = self.recording_audio(recording)
-            info = self.voices.save(name, audio, prompt_text, session or None, shared=shared)
+            as_heard = heard is not None and not heard.demo and heard.text.split() == prompt_text.split()
+            language = heard.language if as_heard else ""
+            owner = session or None
+            info = self.voices.save(name, audio, prompt_text, owner, shared=shared, language=language)
         gr.Info(f"Saved “{info.name}”" + (", shared with everyone." if shared else ", visible only to you."))
         return gr.update(choices=self.voice_choices(session), value=info.id), ""
 

@@ -267,10 +267,10 @@ def build_demo(service: Service) -> gr.Blocks:
         voice_jobs = {"concurrency_limit": VOICE_JOBS, "concurrency_id": "voice", "api_name": False}
         notes = [prepared_note, transcript_note]
         prompt_parts = [recording, other_file, voice, prompt_text, preview, *notes]
-        wire_prompt(PromptHandlers(service), *prompt_parts, voice_jobs)
+        heard = wire_prompt(PromptHandlers(service), *prompt_parts, voice_jobs)
         saved = save.click(
             handlers.save_voice,
-            [voice_name, recording, prompt_text, shared, session],
+            [voice_name, recording, prompt_text, shared, session, heard],
             [voice, voice_name],
             **voice_jobs,
         )

@@ -96,8 +96,9 @@ def wire_prompt(
     prepared_note: gr.Markdown,
     transcript_note: gr.Markdown,
     voice_jobs: dict,
-) -> None:
-    """Connect the prompt's events: a new recording or file is prepared, transcribed and filled in."""
+) -> gr.State:
+    """Connect the prompt's events: a new recording or file is prepared, transcribed and filled in.
+    Returns the state holding what the recogniser heard (a Transcript, or None)."""
     auto = gr.State("")  # the last automatic transcript put in the box
     heard = gr.State(None)
     prepared = [
@@ -115,4 +116,7 @@ def wire_prompt(
             queue=False,
             api_name=False,
         )
-    recording.clear(lambda: (None, "", ""), None, [preview, prepared_note, transcript_note], api_name=False)
+    recording.clear(
+        lambda: (None, "", "", None), None, [preview, prepared_note, transcript_note, heard], api_name=False
+    )
+    return heard
