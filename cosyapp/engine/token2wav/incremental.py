@@ -200,7 +200,7 @@ class IncrementalGraphs:
         self.defer = defer
         self._graphs: dict[tuple, _Graph] = {}
         self._missed: dict[tuple, CallInputs] = {}  # buckets met but not captured: a call's inputs
-        self._eager: set[tuple] = set()  # buckets whose capture ran out of memory
+        self._eager: set[tuple] = set()  # buckets whose capture failed
         self._pool = None
 
     @property
@@ -235,8 +235,8 @@ class IncrementalGraphs:
         try:
             with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
                 self._capture(key, like)
-        except torch.cuda.OutOfMemoryError:  # the calls of this bucket stay eager
-            log.warning("no memory to capture the incremental flow's graph for %s; it runs eagerly", key[:4])
+        except Exception:  # out of memory, or any other failure: its calls stay eager, the worker serves on
+            log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
             self._graphs.pop(key, None)
             self._eager.add(key)
         return True
