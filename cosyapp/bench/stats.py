@@ -9,7 +9,7 @@ import torch
 from cosyapp.engine.lm.base import LMStats
 from cosyapp.engine.metrics import percentile
 from cosyapp.engine.pipeline import Pipeline
-from cosyapp.engine.token2wav.worker import Token2WavStats
+from cosyapp.engine.token2wav.stats import Token2WavStats
 
 STAGES = ("lm", "flow", "hift")
 QUANTILES = (50, 90, 99)

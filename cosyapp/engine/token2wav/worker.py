@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
+from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
@@ -47,23 +48,6 @@ logger = logging.getLogger(__name__)
 FLOW_CACHE_SHARE = 0.7
 # Finished flow steps waiting for the HiFT thread before the flow thread waits too.
 HANDOFF_STEPS = 1
-
-
-@dataclass
-class Token2WavStats:
-    """Worker counters; read without blocking the worker."""
-
-    jobs_done: int = 0  # chunk jobs computed and delivered
-    jobs_dropped: int = 0  # jobs of ended (cancelled or failed) streams skipped before any computation
-    last_flow_batch: int = 0  # items in the most recent flow call
-    max_flow_batch: int = 0
-    last_hift_batch: int = 0  # items in the most recent HiFT call
-    max_hift_batch: int = 0
-    queue_depth: int = 0  # jobs waiting for the worker
-    flow_calls: int = 0
-    flow_seconds: float = 0.0  # wall time of flow calls, device work included
-    hift_calls: int = 0
-    hift_seconds: float = 0.0
 
 
 class Token2Wav:
