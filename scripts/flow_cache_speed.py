@@ -8,8 +8,10 @@ For B streams of one sentence each (3 s prompt, 260 tokens, upstream's hop sched
 - recompute: each call re-runs the flow over prompt + every token so far (as upstream);
 - incremental: each call computes only its new frames, the streams starting from their voice's
   shared prompt pages.
-Also: achieved TFLOP/s per call (torch's FlopCounterMode), the accuracy of each path against float32
-recompute, and how far the chunk-masked incremental final chunk is from upstream's full-attention one.
+The fp16 paths run as served: the flow's Linear and Conv1d weights stored in float16
+(engine/token2wav/precision.py), under fp16 autocast. Also: achieved TFLOP/s per call (torch's
+FlopCounterMode), the accuracy of each path against float32 recompute, and how far the chunk-masked
+incremental final chunk is from upstream's full-attention one.
 
 FLOW_CACHE_COMPILE=1 measures --compile-flow instead (engine/token2wav/fused.py): eager against
 compiled estimator, both replayed from CUDA graphs as served, at batch 1, 16 and 64, for a whole
@@ -41,6 +43,7 @@ from cosyapp.engine.token2wav.flow_cache import (
 )
 from cosyapp.engine.token2wav.fused import fuse_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
+from cosyapp.engine.token2wav.precision import cast_matmul_weights
 from cosyapp.models.flow import CausalMaskedDiffWithXvec
 
 # FLOW_CACHE_SMOKE=1: a quick run of every path on the CPU (no timing value), to check the script.
@@ -165,22 +168,26 @@ def main() -> None:
                 indent=1,
             )
 
+    served = copy.deepcopy(flow)  # the fp16 paths' flow; `flow` keeps float32 for the references
+    if not SMOKE:
+        cast_matmul_weights(served, torch.float16)
     v = voice()
     tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     calls = schedule(PROMPT, TOKENS)
     emit({"check": "setup", "page_bytes": page_bytes, "calls": calls})
     if COMPILE:
-        compare_compiled(flow, v, tokens, calls, emit)
+        compare_compiled(served, v, tokens, calls, emit)
     else:
-        accuracy(flow, v, tokens, calls, emit)
+        accuracy(flow, served, v, tokens, calls, emit)
         for batch in BATCHES:
-            measure_batch(flow, v, tokens, calls, batch, emit)
+            measure_batch(served, v, tokens, calls, batch, emit)
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-def accuracy(flow, v, tokens, calls, emit) -> None:
-    """One stream: incremental fp16 and fp32 against recompute fp32, chunk by chunk."""
+def accuracy(flow, served, v, tokens, calls, emit) -> None:
+    """One stream: incremental fp16 (``served``) and fp32 (``flow``) against recompute fp32, chunk
+    by chunk."""
     est = raw_estimator(flow)
     pool32 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float32)
     pool16 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float16)
@@ -189,7 +196,7 @@ def accuracy(flow, v, tokens, calls, emit) -> None:
         want = recompute(flow, v, tokens[:n], 1, final, fp16=False)[0]
         [(m32, s32)] = IncrementalFlow(flow, pool32)([FlowItem(c32, *v, tokens[:n], final)])
         with autocast():
-            [(m16, s16)] = IncrementalFlow(flow, pool16)([FlowItem(c16, *v, tokens[:n], final)])
+            [(m16, s16)] = IncrementalFlow(served, pool16)([FlowItem(c16, *v, tokens[:n], final)])
         cut = lambda m, s: m[:, max(0, 2 * PROMPT - s) :]  # noqa: E731
         ref = want[:, max(0, s32 - 2 * PROMPT) :]
         row = {"check": "accuracy", "tokens": n, "final": final}

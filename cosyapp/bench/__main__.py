@@ -29,8 +29,8 @@ from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
 # The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav).
-# The token2wav worker's options; compile_flow is not one: it changes the model's estimator in place.
-VARIANT_FIELDS = ("first_hop", "flow_cache_gb", "chunked_final", "overlap_hift", "max_batch", "flow_dtype")
+# compile_flow and flow_dtype are not among them: they change the model's flow in place.
+VARIANT_FIELDS = ("first_hop", "flow_cache_gb", "chunked_final", "overlap_hift", "max_batch")
 SMOKE = {
     "clients": "1,2",
     "texts": "short",

@@ -58,6 +58,12 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
+    flow_dtype = flow_autocast_dtype(model, options)
+    if flow_dtype is not None and model.device.type == "cuda" and not hasattr(model.flow, "matmul_dtype"):
+        from cosyapp.engine.token2wav.precision import cast_matmul_weights
+
+        # Before graphs are captured and before the incremental flow concatenates its projections.
+        cast_matmul_weights(model.flow, flow_dtype)
     if options.compile_flow:
         from cosyapp.engine.token2wav.flow_cache import raw_estimator
         from cosyapp.engine.token2wav.fused import fuse_estimator
@@ -81,17 +87,28 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     )
 
 
+def flow_autocast_dtype(model: CosyVoice2, options: ServeOptions) -> torch.dtype | None:
+    """The dtype the flow runs in under autocast, or None for none (its own float32)."""
+    if options.flow_dtype:
+        return None if options.flow_dtype == "float32" else getattr(torch, options.flow_dtype)
+    # upstream's fp16 mode runs the flow under fp16 autocast too
+    return torch.float16 if model.device.type == "cuda" else None
+
+
 def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
     """The token2wav worker over ``model`` (prepared by build_pipeline), not started."""
     on_gpu = model.device.type == "cuda"
-    flow_dtype = getattr(torch, options.flow_dtype) if options.flow_dtype else None
-    if flow_dtype is None and on_gpu:
-        flow_dtype = torch.float16  # upstream's fp16 mode runs the flow under fp16 autocast too
+    stored = getattr(model.flow, "matmul_dtype", None)
+    if stored is not None and stored != flow_autocast_dtype(model, options):
+        raise ValueError(
+            f"the flow's matrix weights are stored in {stored} (build_pipeline); a token2wav worker in "
+            f"{options.flow_dtype or 'float32'} needs a model loaded again"
+        )
     return Token2Wav(
         model,
         max_batch=options.max_batch,
         first_hop=options.first_hop,
-        autocast_dtype=flow_dtype,
+        autocast_dtype=flow_autocast_dtype(model, options),
         flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
         flow_cache_graphs=options.cuda_graphs and on_gpu,
         chunked_final=options.chunked_final,

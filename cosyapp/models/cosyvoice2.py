@@ -56,17 +56,21 @@ class CosyVoice2:
     def tokens_to_mel(self, tokens: torch.Tensor, prompt: PromptInputs) -> torch.Tensor:
         """Flow in finalize, non-streaming mode: tokens (G,) -> mel (80, 2G) of the generated part."""
         dev, dtype = self.device, self.flow.input_embedding.weight.dtype
-        mel, mel_len = self.flow.inference(
-            token=tokens[None].to(dev),
-            token_len=torch.tensor([len(tokens)], device=dev),
-            prompt_token=prompt.speech_tokens[None].to(dev),
-            prompt_token_len=torch.tensor([len(prompt.speech_tokens)], device=dev),
-            prompt_feat=prompt.speech_feat[None].to(dev, dtype),
-            prompt_feat_len=torch.tensor([len(prompt.speech_feat)], device=dev),
-            embedding=prompt.embedding[None].to(dev, dtype),
-            streaming=False,
-            finalize=True,
-        )
+        # A flow whose matrix weights the engine stored in its autocast dtype runs under that
+        # autocast (engine/token2wav/precision.py).
+        amp = getattr(self.flow, "matmul_dtype", None)
+        with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
+            mel, mel_len = self.flow.inference(
+                token=tokens[None].to(dev),
+                token_len=torch.tensor([len(tokens)], device=dev),
+                prompt_token=prompt.speech_tokens[None].to(dev),
+                prompt_token_len=torch.tensor([len(prompt.speech_tokens)], device=dev),
+                prompt_feat=prompt.speech_feat[None].to(dev, dtype),
+                prompt_feat_len=torch.tensor([len(prompt.speech_feat)], device=dev),
+                embedding=prompt.embedding[None].to(dev, dtype),
+                streaming=False,
+                finalize=True,
+            )
         return mel[0, :, : int(mel_len[0])].float()
 
     @torch.inference_mode()

@@ -23,6 +23,12 @@ def time_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(t.dtype)
 
 
+def _matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a Linear's output has for input x: the autocast dtype under autocast."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class TimestepMLP(nn.Module):
     """Linear, SiLU, Linear on the time embedding."""
 
@@ -151,9 +157,9 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x (B, T, dim), mask bool (B, 1|T, T) of allowed keys -> (B, T, dim)."""
-        # Upstream adds a -1e10 bias at blocked keys; a bool mask gives the same probabilities
-        # (exp underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
+        """x (B, T, dim), mask (B, 1|T, T) of allowed keys, bool or additive (0 / -inf) -> (B, T, dim)."""
+        # Upstream adds a -1e10 bias at blocked keys; -inf gives the same probabilities (exp
+        # underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
         attended = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=mask.unsqueeze(1))
         return self.after_attention(x, attended)
 
@@ -228,7 +234,11 @@ class CausalConditionalDecoder(nn.Module):
         """
         t_emb = self.time_mlp(time_embedding(t, self.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        attn_mask = attention_mask(mask[:, 0].bool(), self.static_chunk_size if streaming else 0)
+        allowed = attention_mask(mask[:, 0].bool(), self.static_chunk_size if streaming else 0)
+        # Additive, in the attention's dtype, made once for every block: SDPA would turn a boolean
+        # mask into exactly this in each of them.
+        attn_mask = torch.zeros(allowed.shape, dtype=_matmul_dtype(h), device=h.device)
+        attn_mask.masked_fill_(~allowed, float("-inf"))
 
         resnet, blocks, conv = self.down_blocks[0]
         h = self._attend(blocks, resnet(h, mask, t_emb), attn_mask)

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyapp.engine.token2wav.incremental import ROWS, TAIL, CallInputs, IncrementalGraphs, run_cfm
+from cosyapp.engine.token2wav.incremental import (
+    ROWS,
+    TAIL,
+    CallInputs,
+    IncrementalEstimator,
+    IncrementalGraphs,
+    run_cfm,
+)
 from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_condition
 from cosyapp.models.flow_encoder import length_mask
 from cosyapp.models.flow_estimator import CausalConditionalDecoder, CausalResnetBlock1D
@@ -70,7 +77,9 @@ def transformer_count(estimator: CausalConditionalDecoder) -> int:
 class KVPool:
     """Keys and values of committed frames, in pages of one chunk, shared by every stream.
 
-    ``k``/``v`` are (blocks, 1 + pages, steps, ROWS, heads, page, head_dim); page 0 is the trash page.
+    ``kv`` is (blocks, (1 + pages) * ROWS, steps, page, 2, heads, head_dim): page p's CFG row r is
+    pool row ``p * ROWS + r``, and its frames hold their keys and values side by side, so a call
+    reads its past with one gather and attends to it without a copy; page 0 is the trash page.
     Pages are reference-counted: a voice's prompt pages are held by the voice cache and by every
     stream that started from them.
     """
@@ -87,9 +96,8 @@ class KVPool:
         self.page = estimator.static_chunk_size
         self.blocks = transformer_count(estimator)
         self.steps = steps
-        shape = (self.blocks, pages + 1, steps, ROWS, attn.heads, self.page, attn.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (self.blocks, (pages + 1) * ROWS, steps, self.page, 2, attn.heads, attn.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.pages = pages  # besides the trash page
         self._refs = [0] * (pages + 1)
         self._free = list(range(pages, TRASH, -1))
@@ -266,6 +274,11 @@ def _plan(items: list[FlowItem], ends: list[int], pool: KVPool) -> _Plan | None:
     return _Plan(news, keeps, pages)
 
 
+def pool_rows(pages: Tensor) -> Tensor:
+    """Pages (B, n) -> the pool rows holding them, (ROWS * B * n,) in the estimator's batch order."""
+    return torch.cat([pages * ROWS + r for r in range(ROWS)]).flatten()
+
+
 def _inputs(
     flow: CausalMaskedDiffWithXvec,
     items: list[FlowItem],
@@ -294,7 +307,6 @@ def _inputs(
     table = torch.full((rows, past_pages), TRASH, dtype=torch.long)
     for b, item in enumerate(items):
         table[b, : len(item.cache.pages)] = torch.tensor(item.cache.pages, dtype=torch.long)
-    table = table.to(dev)
     keys = torch.cat([length_mask(past, past_pages * page), valid], dim=1)  # committed, then new frames
     pos = torch.arange(width, device=dev)
     in_chunk = pos.unsqueeze(0) < ((pos // page + 1) * page).unsqueeze(
@@ -303,6 +315,9 @@ def _inputs(
     allowed = keys.unsqueeze(1).expand(-1, width, -1).clone()
     allowed[:, :, past_pages * page :] &= in_chunk
     allowed[n:, :, 0] = True  # dummy rows attend to one key, so no softmax row is empty
+    # Additive, in the attention's dtype, built once per call (SDPA would turn a boolean mask into
+    # exactly this in every block).
+    bias = torch.zeros(allowed.shape, device=dev, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     channels = sum(conv_channels(raw_estimator(flow)))
     steps = flow.decoder.n_timesteps
     tails = torch.zeros(steps, ROWS * rows, channels, TAIL, device=dev, dtype=dtype)
@@ -319,11 +334,11 @@ def _inputs(
         mu=mu,
         spks=F.pad(spks, (0, 0, 0, rows - n)),
         cond=cond,
-        table=table,
-        attn_mask=allowed.repeat(ROWS, 1, 1).unsqueeze(1),
+        read_rows=pool_rows(table).to(dev),
+        attn_mask=bias.repeat(ROWS, 1, 1).unsqueeze(1),
         tails=tails,
         keep=torch.tensor(plan.keeps + [0] * (rows - n), device=dev),
-        write_pages=write.flatten().to(dev),
+        write_rows=pool_rows(write).to(dev),
     )
 
 
@@ -334,10 +349,9 @@ class IncrementalFlow:
         """graphs: pad calls to shape buckets and replay them from CUDA graphs (on a CPU the padded
         calls run eagerly, which checks the padding)."""
         self.flow, self.pool = flow, pool
-        est = raw_estimator(flow)
-        self.graphs = (
-            IncrementalGraphs(est, pool.k, pool.v, flow.decoder.inference_cfg_rate) if graphs else None
-        )
+        self.step_fn = IncrementalEstimator(raw_estimator(flow))
+        cfg_rate = flow.decoder.inference_cfg_rate
+        self.graphs = IncrementalGraphs(self.step_fn, pool.kv, cfg_rate) if graphs else None
 
     @torch.inference_mode()
     def __call__(self, items: list[FlowItem]) -> list[tuple[Tensor, int]] | None:
@@ -369,7 +383,7 @@ class IncrementalFlow:
                 x, tails = self.graphs.run(inputs)
             else:
                 cfg_rate = self.flow.decoder.inference_cfg_rate
-                x, tails = run_cfm(raw_estimator(self.flow), self.pool.k, self.pool.v, inputs, cfg_rate)
+                x, tails = run_cfm(self.step_fn, self.pool.kv, inputs, cfg_rate)
         except BaseException:
             self.pool.release([p for pages in plan.pages for p in pages])  # the call commits nothing
             raise

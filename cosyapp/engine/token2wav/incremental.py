@@ -30,18 +30,23 @@ TAIL = 2  # inputs a kernel-3 causal convolution reads before the current frame
 @dataclass
 class CallInputs:
     """One call at a bucket's shape: B rows (streams, dummies after the real ones), W new frames,
-    Pp past pages of `page` frames each."""
+    Pp past pages of `page` frames each.
+
+    The pool keeps each page's two CFG rows as two physical rows, ``page * ROWS + r``, and the
+    estimator's batch is row-major (row r of stream b is batch entry ``r * B + b``); the row lists
+    below are in that order, so one gather reads a call's past and one scatter writes its new pages.
+    """
 
     x: Tensor  # (B, 80, W) the fixed noise at each stream's new frames
     mask: Tensor  # (B, 1, W) 1 at real new frames
     mu: Tensor  # (B, 80, W)
     spks: Tensor  # (B, 80)
     cond: Tensor  # (B, 80, W)
-    table: Tensor  # (B, Pp) long: each stream's pages, then the trash page
-    attn_mask: Tensor  # (ROWS*B, 1, W, Pp*page + W) bool
+    read_rows: Tensor  # (ROWS*B*Pp,) long: pool rows of each batch entry's pages, then trash rows
+    attn_mask: Tensor  # (ROWS*B, 1, W, Pp*page + W) additive: 0 where allowed, -inf where not
     tails: Tensor  # (steps, ROWS*B, channels, TAIL) inputs before each stream's first new frame
     keep: Tensor  # (B,) long: new frames each stream commits
-    write_pages: Tensor  # (B * ceil(W / page),) long: the page each new page goes to (trash: none)
+    write_rows: Tensor  # (ROWS*B*ceil(W / page),) long: the pool row of each new page (trash: none)
 
     def copy_(self, other: "CallInputs") -> None:
         for f in fields(self):
@@ -54,9 +59,13 @@ class CallInputs:
 class _StepIO:
     """What one estimator step reads from and writes to the caches, block by block."""
 
-    def __init__(self, k: Tensor, v: Tensor, inputs: CallInputs, new_tails: Tensor):
-        self.k, self.v, self.inputs, self.new_tails = k, v, inputs, new_tails
+    def __init__(self, kv: Tensor, inputs: CallInputs, new_tails: Tensor):
+        self.kv, self.inputs, self.new_tails = kv, inputs, new_tails
         self.step = self.block = self.channel = 0
+        # Where each batch entry's new tails start in a convolution's input: frames keep - 2 and
+        # keep - 1 of the new ones, at columns keep and keep + 1 behind the TAIL old inputs.
+        keep = inputs.keep.repeat(ROWS).view(-1, 1, 1)
+        self.tail_at = keep + torch.arange(TAIL, device=keep.device)
 
     def start_step(self, step: int) -> None:
         self.step, self.block, self.channel = step, 0, 0
@@ -67,32 +76,27 @@ class _StepIO:
         c = x.size(1)
         lo, hi = self.channel, self.channel + c
         full = torch.cat([self.inputs.tails[self.step, :, lo:hi].to(x.dtype), x], dim=2)
-        # Inputs at new frames keep - 2 and keep - 1 sit at columns keep and keep + 1 of `full`.
-        idx = self.inputs.keep.repeat(ROWS).view(-1, 1, 1) + torch.arange(TAIL, device=x.device)
-        self.new_tails[self.step, :, lo:hi] = full.gather(2, idx.expand(-1, c, -1)).to(self.new_tails.dtype)
+        self.new_tails[self.step, :, lo:hi] = full.gather(2, self.tail_at.expand(-1, c, -1))
         self.channel = hi
         return full
 
-    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """New keys/values (ROWS*B, H, W, D) -> the same with each stream's committed ones in front;
-        writes the new frames' pages (uncommitted ones go to the trash page)."""
+    def keys_values(self, new: Tensor) -> tuple[Tensor, Tensor]:
+        """New keys and values (ROWS*B, W, 2, H, D) -> keys, values (ROWS*B, H, Pp*page + W, D) with
+        each stream's committed frames in front; writes the new frames' pages (uncommitted ones go
+        to the trash page). One gather, one scatter and one concatenation for both."""
         layer, step = self.block, self.step
         self.block += 1
-        rb, heads, width, dim = k.shape
-        batch, table = rb // ROWS, self.inputs.table
-        page = self.k.size(5)
+        store = self.kv[layer]  # (pool rows, steps, page, 2, H, D)
+        rb, width = new.shape[:2]
+        page = store.size(2)
+        past = store[self.inputs.read_rows, step]  # read before the write: (ROWS*B*Pp, page, 2, H, D)
+        past = past.view(rb, -1, *past.shape[2:]).to(new.dtype)
         n_pages = -(-width // page)
-        out = []
-        for store, values in ((self.k, k), (self.v, v)):
-            paged = F.pad(values, (0, 0, 0, n_pages * page - width)).view(
-                ROWS, batch, heads, n_pages, page, dim
-            )
-            paged = paged.permute(1, 3, 0, 2, 4, 5).reshape(batch * n_pages, ROWS, heads, page, dim)
-            past = store[layer][table, step]  # read before the write: (B, Pp, ROWS, H, page, D)
-            past = past.permute(2, 0, 3, 1, 4, 5).reshape(rb, heads, -1, dim).to(values.dtype)
-            store[layer, self.inputs.write_pages, step] = paged.to(store.dtype)
-            out.append(torch.cat([past, values], dim=2))
-        return out[0], out[1]
+        paged = new if width == n_pages * page else F.pad(new, (0, 0, 0, 0, 0, 0, 0, n_pages * page - width))
+        paged = paged.reshape(rb * n_pages, page, *new.shape[2:])
+        store[self.inputs.write_rows, step] = paged.to(store.dtype)
+        both = torch.cat([past, new], dim=1)
+        return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
 class IncrementalEstimator:
@@ -100,11 +104,18 @@ class IncrementalEstimator:
 
     Runs the modules of a ``CausalConditionalDecoder`` in the order and with the operations of its
     forward, except that causal convolutions take their left context from the cache instead of
-    zeros and attention also sees the committed keys and values.
+    zeros, attention also sees the committed keys and values, and each block's three projections
+    run as one matrix product (their weights concatenated once, here: build it after the weights
+    are loaded and cast).
     """
 
     def __init__(self, estimator: CausalConditionalDecoder):
         self.est = estimator
+        self.qkv_weights = [
+            torch.cat([block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight]).detach()
+            for blocks in _transformer_stages(estimator)
+            for block in blocks
+        ]
 
     def __call__(
         self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, io: _StepIO
@@ -136,25 +147,35 @@ class IncrementalEstimator:
         h = self._block(r.block1, x, mask, io) + r.mlp(t_emb).unsqueeze(-1)
         return self._block(r.block2, h, mask, io) + r.res_conv(x * mask)
 
-    @staticmethod
-    def _attend(blocks: nn.ModuleList, h: Tensor, io: _StepIO) -> Tensor:
+    def _attend(self, blocks: nn.ModuleList, h: Tensor, io: _StepIO) -> Tensor:
         h = h.transpose(1, 2)
+        rb, width, _ = h.shape
         for block in blocks:
-            q, k, v = block.qkv(h)
-            k, v = io.keys_values(k, v)
+            attn = block.attn1
+            qkv = F.linear(block.norm1(h), self.qkv_weights[io.block]).view(rb, width, 3, attn.heads, -1)
+            k, v = io.keys_values(qkv[:, :, 1:])
+            q = qkv[:, :, 0].transpose(1, 2)
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=io.inputs.attn_mask)
             h = block.after_attention(h, attended)
         return h.transpose(1, 2)
 
 
+def _transformer_stages(estimator: CausalConditionalDecoder) -> list[nn.ModuleList]:
+    """The estimator's transformer blocks, stage by stage, in the order one step runs them."""
+    return [
+        estimator.down_blocks[0][1],
+        *(blocks for _, blocks in estimator.mid_blocks),
+        estimator.up_blocks[0][1],
+    ]
+
+
 def run_cfm(
-    estimator: CausalConditionalDecoder, k: Tensor, v: Tensor, inputs: CallInputs, cfg_rate: float
+    step_fn: IncrementalEstimator, kv: Tensor, inputs: CallInputs, cfg_rate: float
 ) -> tuple[Tensor, Tensor]:
     """The CFM's Euler steps with guidance over the new frames: (x (B, 80, W), new tails)."""
     steps = inputs.tails.size(0)
     new_tails = inputs.tails.clone()
-    io = _StepIO(k, v, inputs, new_tails)
-    step_fn = IncrementalEstimator(estimator)
+    io = _StepIO(kv, inputs, new_tails)
     dtype = inputs.spks.dtype
     x = inputs.x
     t_span = cosine_time_grid(steps, x.device, inputs.mu.dtype)
@@ -193,10 +214,8 @@ class IncrementalGraphs:
     Without ``defer`` the first call captures and then replays, holding the worker meanwhile.
     """
 
-    def __init__(
-        self, estimator: CausalConditionalDecoder, k: Tensor, v: Tensor, cfg_rate: float, defer: bool = True
-    ):
-        self.estimator, self.k, self.v, self.cfg_rate = estimator, k, v, cfg_rate
+    def __init__(self, step_fn: IncrementalEstimator, kv: Tensor, cfg_rate: float, defer: bool = True):
+        self.step_fn, self.kv, self.cfg_rate = step_fn, kv, cfg_rate
         self.defer = defer
         self._graphs: dict[tuple, _Graph] = {}
         self._missed: dict[tuple, CallInputs] = {}  # buckets met but not captured: a call's inputs
@@ -210,15 +229,21 @@ class IncrementalGraphs:
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
         if not inputs.x.is_cuda:
-            return run_cfm(self.estimator, self.k, self.v, inputs, self.cfg_rate)
-        key = (*inputs.attn_mask.shape, inputs.x.dtype, inputs.tails.dtype, _autocast_dtype(inputs.x.device))
+            return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
+        key = (
+            *inputs.attn_mask.shape,
+            inputs.attn_mask.dtype,
+            inputs.x.dtype,
+            inputs.tails.dtype,
+            _autocast_dtype(inputs.x.device),
+        )
         graph = self._graphs.get(key)
         if graph is None and (self.defer or key in self._eager):
             if key not in self._missed and key not in self._eager:
                 kept = inputs.empty_like()
                 kept.copy_(inputs)
                 self._missed[key] = kept
-            return run_cfm(self.estimator, self.k, self.v, inputs, self.cfg_rate)
+            return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
         graph = graph or self._capture(key, inputs)
         graph.inputs.copy_(inputs)
         graph.graph.replay()
@@ -246,17 +271,17 @@ class IncrementalGraphs:
         static.copy_(like)
         dev = like.x.device
         # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
-        static.write_pages.zero_()
+        static.write_rows.zero_()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
-                run_cfm(self.estimator, self.k, self.v, static, self.cfg_rate)
+                run_cfm(self.step_fn, self.kv, static, self.cfg_rate)
         torch.cuda.current_stream(dev).wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            x, tails = run_cfm(self.estimator, self.k, self.v, static, self.cfg_rate)
+            x, tails = run_cfm(self.step_fn, self.kv, static, self.cfg_rate)
         captured = _Graph(graph, static, x, tails)
         self._graphs[key] = captured
         return captured

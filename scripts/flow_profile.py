@@ -1,0 +1,181 @@
+"""Where the incremental streaming flow's GPU time goes, kernel by kernel (CosyVoice2-0.5B sizes,
+random weights). Prints JSON lines and writes them to the file given.
+
+    PYTHONPATH=$PWD python scripts/flow_profile.py [out.json]
+
+For B streams of one 260-token sentence (3 s prompt, the worker's chunk schedule), each chunk call
+of engine/token2wav/flow_cache.py is run eagerly under torch.profiler: CUDA kernel time and kernel
+count per category (GEMM, attention, convolution, LayerNorm, elementwise, copies and indexing,
+casts) and the top kernels by time. Each call is also timed replayed from its CUDA graph, so the
+gap between the graphed wall time and the kernels' own time shows what launches cost.
+
+The flow's Linear and Conv1d weights are stored in float16 as the server stores them
+(engine/token2wav/precision.py); FLOW_PROFILE_FP32_WEIGHTS=1 keeps them float32, so autocast casts
+them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes.
+"""
+
+import collections
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and helpers)
+    DEVICE,
+    PROMPT,
+    TOKENS,
+    autocast,
+    capture_missed,
+    schedule,
+    start_caches,
+    sync,
+    voice,
+)
+
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, KVPool, raw_estimator  # noqa: E402
+from cosyapp.engine.token2wav.precision import cast_matmul_weights  # noqa: E402
+from cosyapp.models.flow import CausalMaskedDiffWithXvec  # noqa: E402
+
+BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64").split(","))
+CAST = os.environ.get("FLOW_PROFILE_FP32_WEIGHTS") != "1" and DEVICE.type == "cuda"
+
+# First match wins: convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both).
+CATEGORIES = (
+    ("convolution", r"conv|fprop|dgrad|wgrad|im2col"),
+    ("attention", r"fmha|flash|attention|sdpa|cudnn_generated"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_"),
+    ("layer_norm", r"layer_norm|LayerNorm"),
+    ("cast", r"_to_copy|bfloat16_copy|float16_copy|to_copy"),
+    ("copy_index", r"copy|Cat|cat_|index|gather|scatter|pad|fill|arange"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|softmax"),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def kernels(prof) -> list[tuple[str, float]]:
+    """(name, microseconds) of every CUDA kernel the profile saw."""
+    out = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA or DEVICE.type == "cpu":
+            us = event.device_time if DEVICE.type == "cuda" else event.self_cpu_time_total
+            out.append((event.name, us))
+    return out
+
+
+def summarise(found: list[tuple[str, float]]) -> dict:
+    by_cat = collections.defaultdict(lambda: [0.0, 0])
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in found:
+        for table, key in ((by_cat, category(name)), (by_name, name)):
+            table[key][0] += us
+            table[key][1] += 1
+    total = sum(us for _, us in found) or 1.0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "kernel_ms": round(total / 1000, 2),
+        "kernels": len(found),
+        "categories": {
+            k: {"ms": round(v[0] / 1000, 2), "share": round(v[0] / total, 3), "count": v[1]}
+            for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][0])
+        },
+        "top": [{"name": k[:140], "ms": round(v[0] / 1000, 2), "count": v[1]} for k, v in top],
+    }
+
+
+def measure(flow, v, tokens, calls, batch: int, emit) -> None:
+    """Every chunk call of one sentence for ``batch`` streams: graphed wall time, eager kernels."""
+    speech, feat, emb = v
+    pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
+    pool = KVPool(raw_estimator(flow), pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    eager, graphed = IncrementalFlow(flow, pool), IncrementalFlow(flow, pool, graphs=True)
+
+    def sentence(runner, each=None):
+        caches = start_caches(flow, pool, v, batch)
+        for i, (n, final) in enumerate(calls):
+            items = [FlowItem(c, speech, feat, emb, tokens[:n], final) for c in caches]
+            with autocast():
+                if each is None:
+                    runner(items)
+                else:
+                    each(i, lambda: runner(items))  # noqa: B023
+        for c in caches:
+            pool.release(c.pages)
+
+    sentence(eager)  # kernels, allocator
+    sentence(graphed)  # meets the buckets
+    capture_missed(graphed)
+    graphed_ms, profiles = {}, {}
+
+    def time_call(i, fn):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        graphed_ms[i] = (time.perf_counter() - start) * 1000
+
+    def profile_call(i, fn):
+        sync()
+        start = time.perf_counter()
+        activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            fn()
+            sync()
+        profiles[i] = (summarise(kernels(prof)), (time.perf_counter() - start) * 1000)
+
+    sentence(graphed, time_call)
+    sentence(eager, profile_call)
+    for i, (n, final) in enumerate(calls):
+        summary, wall = profiles[i]
+        emit(
+            {
+                "batch": batch,
+                "tokens": n,
+                "final": final,
+                "graphed_ms": round(graphed_ms[i], 2),
+                "eager_profiled_wall_ms": round(wall, 2),
+                **summary,
+            }
+        )
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "flow-profile.json"
+    torch.manual_seed(0)
+    flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
+    v = voice()
+    if CAST:
+        cast_matmul_weights(flow, torch.float16)
+    rows = []
+    meta = {
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "matmul_weights": "float16" if CAST else "float32",
+    }
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with open(out, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+
+    tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    calls = schedule(PROMPT, TOKENS)
+    for batch in BATCHES:
+        measure(flow, v, tokens, calls, batch, emit)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The flow's matrix weights stored in the autocast dtype give bit for bit the flow autocast gives
+with float32 weights (tiny model, bfloat16 autocast on the CPU)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cosyapp.engine.token2wav.flow_cache import FlowCache, FlowItem, IncrementalFlow, KVPool, raw_estimator
+from cosyapp.engine.token2wav.precision import cast_matmul_weights
+from cosyapp.models.cosyvoice2 import PromptInputs
+
+DTYPE = torch.bfloat16
+
+
+def prompt(tokens: int = 30, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 6561, (tokens,), generator=g),
+        torch.randn(2 * tokens, 80, generator=g) - 5.0,
+        torch.randn(192, generator=g),
+    )
+
+
+@pytest.fixture(scope="module")
+def flows(tiny_model):
+    cast = copy.deepcopy(tiny_model.flow)
+    cast_matmul_weights(cast, DTYPE)
+    return tiny_model.flow, cast
+
+
+def test_only_matrix_layers_change_dtype(flows):
+    _, cast = flows
+    assert cast.matmul_dtype == DTYPE
+    kinds = {}
+    for module in cast.modules():
+        for p in module.parameters(recurse=False):
+            kinds.setdefault(type(module).__name__, set()).add(p.dtype)
+    assert kinds["Linear"] == {DTYPE}
+    assert kinds["CausalConv1d"] == {DTYPE}
+    assert kinds["LayerNorm"] == {torch.float32}  # autocast runs LayerNorm in float32
+    assert kinds["Embedding"] == {torch.float32}
+    assert any(isinstance(m, nn.Conv1d) for m in cast.modules())
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_whole_pass_is_bit_identical(flows, streaming):
+    speech, feat, emb = prompt()
+    tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(1))
+    mels = []
+    for flow in flows:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPE):
+            mel, _ = flow.inference(
+                token=tokens[None],
+                token_len=torch.tensor([40]),
+                prompt_token=speech[None],
+                prompt_token_len=torch.tensor([len(speech)]),
+                prompt_feat=feat[None],
+                prompt_feat_len=torch.tensor([len(feat)]),
+                embedding=emb[None],
+                streaming=streaming,
+                finalize=True,
+            )
+        mels.append(mel)
+    assert mels[0].abs().max() > 0
+    assert torch.equal(mels[0], mels[1])
+
+
+def test_incremental_calls_are_bit_identical(flows):
+    speech, feat, emb = prompt(seed=2)
+    tokens = torch.randint(0, 6561, (80,), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for flow in flows:
+        est = raw_estimator(flow)
+        pool = KVPool(est, pages=16, steps=flow.decoder.n_timesteps, device=torch.device("cpu"), dtype=DTYPE)
+        cache, frames = FlowCache(), []
+        for n, final in ((28, False), (53, False), (80, True)):
+            item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
+            with torch.autocast("cpu", dtype=DTYPE):
+                [(mel, _)] = IncrementalFlow(flow, pool, graphs=True)([item])
+            frames.append(mel)
+        outputs.append(frames)
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_reference_path_runs_under_the_stored_dtype(tiny_model, flows):
+    _, cast = flows
+    speech, feat, emb = prompt(seed=4)
+    model = copy.copy(tiny_model)
+    model.flow = cast
+    p = PromptInputs(text_ids=torch.tensor([1, 2]), speech_tokens=speech, speech_feat=feat, embedding=emb)
+    tokens = torch.arange(200, 220)
+    mel = model.tokens_to_mel(tokens, p)
+    # The same autocast over float32 weights; and with no autocast, float32 throughout.
+    autocast_only = copy.copy(tiny_model)
+    autocast_only.flow = copy.deepcopy(tiny_model.flow)
+    autocast_only.flow.matmul_dtype = DTYPE
+    float32 = tiny_model.tokens_to_mel(tokens, p)
+    assert mel.dtype == torch.float32 and mel.shape == (80, 40)
+    assert torch.equal(mel, autocast_only.tokens_to_mel(tokens, p))
+    assert not torch.equal(mel, float32)
+    torch.testing.assert_close(mel, float32, atol=0.1, rtol=0.05)
