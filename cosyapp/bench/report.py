@@ -89,6 +89,11 @@ def row(level: dict) -> str:
             f"HiFT<={level['hift_max_batch']}  flow {stages['flow_s']:.2f} s ({stages['flow_calls']} calls) "
             f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']})"
         )
+        if stages.get("eager_flow_calls") or stages.get("graph_captures"):
+            parts.append(
+                f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "
+                f"({stages['graph_capture_s']:.2f} s)"
+            )
     if "click_to_sound_p50" in level:
         parts.append(
             f"click to sound p50/p99 {_ms(level['click_to_sound_p50'])}/{_ms(level['click_to_sound_p99'])}"

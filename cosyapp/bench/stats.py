@@ -188,6 +188,9 @@ def stage_times(
         "hift_calls": hift_calls,
         "hift_s": hift_s,
         "hift_ms_per_call": 1000 * hift_s / hift_calls if hift_calls else None,
+        "eager_flow_calls": t2w1.eager_flow_calls - t2w0.eager_flow_calls,
+        "graph_captures": t2w1.graph_captures - t2w0.graph_captures,
+        "graph_capture_s": t2w1.graph_capture_seconds - t2w0.graph_capture_seconds,
     }
 
 

@@ -6,6 +6,7 @@ path runs the same code. See flow_cache.py for what is kept and why it is exact.
 """
 
 import logging
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -221,6 +222,9 @@ class IncrementalGraphs:
         self._missed: dict[tuple, CallInputs] = {}  # buckets met but not captured: a call's inputs
         self._eager: set[tuple] = set()  # buckets whose capture failed
         self._pool = None
+        self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
+        self.captures = 0  # deferred captures done (or failed)
+        self.capture_seconds = 0.0
 
     @property
     def missed(self) -> int:
@@ -240,9 +244,11 @@ class IncrementalGraphs:
         graph = self._graphs.get(key)
         if graph is None and (self.defer or key in self._eager):
             if key not in self._missed and key not in self._eager:
+                log.info("incremental flow bucket %s met uncaptured: eager until captured", key[:4])
                 kept = inputs.empty_like()
                 kept.copy_(inputs)
                 self._missed[key] = kept
+            self.eager_calls += 1
             return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
         graph = graph or self._capture(key, inputs)
         graph.inputs.copy_(inputs)
@@ -251,12 +257,13 @@ class IncrementalGraphs:
 
     def capture_missed(self) -> bool:
         """Capture one bucket a call met since (under the autocast it ran with); False when none was
-        waiting. Call it from the thread that runs the calls, on its CUDA stream."""
+        waiting. Call it from the thread that runs the calls, on its CUDA stream. The bucket counts
+        as missed until its capture has ended."""
         if not self._missed:
             return False
-        key = next(iter(self._missed))
-        like = self._missed.pop(key)
+        key, like = next(iter(self._missed.items()))
         dtype = key[-1]
+        started = time.perf_counter()
         try:
             with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
                 self._capture(key, like)
@@ -264,6 +271,12 @@ class IncrementalGraphs:
             log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
             self._graphs.pop(key, None)
             self._eager.add(key)
+        else:
+            log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
+        finally:
+            del self._missed[key]
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - started
         return True
 
     def _capture(self, key: tuple, like: CallInputs) -> _Graph:

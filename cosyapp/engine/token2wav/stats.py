@@ -18,3 +18,8 @@ class Token2WavStats:
     flow_seconds: float = 0.0  # wall time of flow calls, device work included
     hift_calls: int = 0
     hift_seconds: float = 0.0
+    # The incremental flow's CUDA graphs: calls that ran eagerly for want of their bucket's graph,
+    # and the deferred captures (made while the worker had nothing queued) with their time.
+    eager_flow_calls: int = 0
+    graph_captures: int = 0
+    graph_capture_seconds: float = 0.0

@@ -146,7 +146,16 @@ class Token2Wav:
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
-        return replace(self._stats, queue_depth=len(self._queue))
+        graphs = self.cached.flow.graphs if self.cached is not None else None
+        if graphs is None:
+            return replace(self._stats, queue_depth=len(self._queue))
+        return replace(
+            self._stats,
+            queue_depth=len(self._queue),
+            eager_flow_calls=graphs.eager_calls,
+            graph_captures=graphs.captures,
+            graph_capture_seconds=graphs.capture_seconds,
+        )
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
