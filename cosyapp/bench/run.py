@@ -157,6 +157,7 @@ async def _measure_variant(
         with decoding_ratio(pipeline.model, texts[0].ratio):
             await pipeline.warm_up_token2wav()
             await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
+            await pipeline.token2wav.graphs_settled()
         for text, mode, clients in itertools.product(texts, args.modes, args.clients):
             with decoding_ratio(pipeline.model, text.ratio):
                 level = await measure(driver, text, mode == "stream", clients, pipeline, progress.update)
@@ -184,6 +185,7 @@ async def _warm_up(
     if local is not None:
         warm = PipelineDriver(local, bench_voice(local.text))
         await measure(warm, text, True, min(max(args.clients), args.max_batch), None)
+        await local.token2wav.graphs_settled()  # captures of buckets this voice met: not in a level
     for driver in drivers:
         if driver.name != "pipeline":
             for mode in filter(lambda mode: _measures(driver, mode), args.modes):

@@ -193,8 +193,7 @@ class Pipeline(ServingFront):
                 [self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)], batch
             )
             batch *= 2
-        while self.token2wav.pending_captures:
-            await asyncio.sleep(0.01)
+        await self.token2wav.graphs_settled()
 
     async def shutdown(self) -> None:
         """Stop the engines (idempotent)."""

@@ -58,6 +58,17 @@ class CachedFlow:
         """Graph buckets the calls met and ``capture_missed`` has not captured yet."""
         return self.flow.graphs.missed if self.flow.graphs is not None else 0
 
+    def graph_counters(self) -> dict:
+        """The graphs' counters as Token2WavStats fields (none without graphs)."""
+        graphs = self.flow.graphs
+        if graphs is None:
+            return {}
+        return {
+            "eager_flow_calls": graphs.eager_calls,
+            "graph_captures": graphs.captures,
+            "graph_capture_seconds": graphs.capture_seconds,
+        }
+
     def capture_missed(self) -> bool:
         """Capture one missed graph bucket (on the flow thread); False when none is waiting."""
         return self.flow.graphs is not None and self.flow.graphs.capture_missed()

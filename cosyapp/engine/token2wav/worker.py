@@ -144,18 +144,17 @@ class Token2Wav:
         """Incremental-flow graph buckets met and not yet captured (incremental.py)."""
         return self.cached.missed_graphs if self.cached is not None else 0
 
+    async def graphs_settled(self) -> None:
+        """Return once every incremental-flow graph bucket met so far is captured. A capture holds
+        the flow thread for a second or two, so warm-ups wait here rather than leave it to the first
+        requests."""
+        while self.pending_captures:
+            await asyncio.sleep(0.01)
+
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
-        graphs = self.cached.flow.graphs if self.cached is not None else None
-        if graphs is None:
-            return replace(self._stats, queue_depth=len(self._queue))
-        return replace(
-            self._stats,
-            queue_depth=len(self._queue),
-            eager_flow_calls=graphs.eager_calls,
-            graph_captures=graphs.captures,
-            graph_capture_seconds=graphs.capture_seconds,
-        )
+        graphs = self.cached.graph_counters() if self.cached is not None else {}
+        return replace(self._stats, queue_depth=len(self._queue), **graphs)
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
