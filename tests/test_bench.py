@@ -122,6 +122,15 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert stages["flow_ms_per_call"] == pytest.approx(1000 * stages["flow_s"] / stages["flow_calls"])
         assert stages["lm_tokens"] == level["clients"] * result["texts"]["short"]["speech_tokens"]
         assert level["gpu_peak_allocated_gb"] is None  # a CPU run
+        # No CUDA graphs on a CPU: nothing runs eagerly for want of one, nothing is captured.
+        assert (stages["eager_flow_calls"], stages["graph_captures"], stages["graph_capture_s"]) == (0, 0, 0)
+
+
+def test_the_engine_log_is_written_beside_the_json(smoke):
+    _, folder, _ = smoke
+    log = (folder / "smoke-engine.log").read_text()
+    # The engine's INFO records of the run, e.g. the LM engine it chose for the local pipeline.
+    assert " INFO cosyapp." in log and "speech-token LM engine" in log
 
 
 def test_baselines_ran_on_the_same_load_and_their_ratios_match(smoke):

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import logging
 import shlex
 import sys
 from dataclasses import replace
@@ -232,14 +233,33 @@ def _choice(parser: argparse.ArgumentParser, flag: str, value: str, allowed) -> 
     return value
 
 
+def _log_engine(out: Path) -> logging.Handler:
+    """The engine's own log at INFO (graph buckets met and captured, fallbacks, ...) in OUT-engine.log
+    beside the JSON, for reading a level's outliers afterwards; the console stays as it was."""
+    handler = logging.FileHandler(out.with_name(f"{out.stem}-engine.log"), mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    engine = logging.getLogger("cosyapp")
+    engine.setLevel(logging.INFO)
+    engine.addHandler(handler)
+    return handler
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark of the command line ``argv`` and write its JSON and plots."""
     from cosyapp.bench.run import run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    result = asyncio.run(run(args))
-    result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    engine = logging.getLogger("cosyapp")
+    level, engine_log = engine.level, _log_engine(args.out)
+    try:
+        result = asyncio.run(run(args))
+    finally:
+        engine.removeHandler(engine_log)
+        engine.setLevel(level)
+        engine_log.close()
+    result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}
     result["plots"] = {name: str(path) for name, path in plot_paths(args.out).items()}
     args.out.write_text(json.dumps(result, indent=2))  # first, so a failing plot loses no numbers
     write_plots(result, args.out)
