@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from test_flow_cache import prompt, recompute
 from torch import nn
 
 from cosyapp.engine.token2wav.flow_cache import FlowCache, FlowItem, IncrementalFlow, KVPool, raw_estimator
@@ -12,15 +13,6 @@ from cosyapp.engine.token2wav.precision import cast_matmul_weights
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 DTYPE = torch.bfloat16
-
-
-def prompt(tokens: int = 30, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 6561, (tokens,), generator=g),
-        torch.randn(2 * tokens, 80, generator=g) - 5.0,
-        torch.randn(192, generator=g),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -46,29 +38,18 @@ def test_only_matrix_layers_change_dtype(flows):
 
 @pytest.mark.parametrize("streaming", [True, False])
 def test_a_whole_pass_is_bit_identical(flows, streaming):
-    speech, feat, emb = prompt()
+    p = prompt(30, seed=0)
     tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(1))
     mels = []
     for flow in flows:
         with torch.inference_mode(), torch.autocast("cpu", dtype=DTYPE):
-            mel, _ = flow.inference(
-                token=tokens[None],
-                token_len=torch.tensor([40]),
-                prompt_token=speech[None],
-                prompt_token_len=torch.tensor([len(speech)]),
-                prompt_feat=feat[None],
-                prompt_feat_len=torch.tensor([len(feat)]),
-                embedding=emb[None],
-                streaming=streaming,
-                finalize=True,
-            )
-        mels.append(mel)
+            mels.append(recompute(flow, p, tokens, final=True, streaming=streaming))
     assert mels[0].abs().max() > 0
     assert torch.equal(mels[0], mels[1])
 
 
 def test_incremental_calls_are_bit_identical(flows):
-    speech, feat, emb = prompt(seed=2)
+    speech, feat, emb = prompt(30, seed=2)
     tokens = torch.randint(0, 6561, (80,), generator=torch.Generator().manual_seed(3))
     outputs = []
     for flow in flows:
@@ -87,7 +68,7 @@ def test_incremental_calls_are_bit_identical(flows):
 
 def test_the_reference_path_runs_under_the_stored_dtype(tiny_model, flows):
     _, cast = flows
-    speech, feat, emb = prompt(seed=4)
+    speech, feat, emb = prompt(30, seed=4)
     model = copy.copy(tiny_model)
     model.flow = cast
     p = PromptInputs(text_ids=torch.tensor([1, 2]), speech_tokens=speech, speech_feat=feat, embedding=emb)
