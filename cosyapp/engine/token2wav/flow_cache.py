@@ -78,8 +78,9 @@ class KVPool:
     """Keys and values of committed frames, in pages of one chunk, shared by every stream.
 
     ``kv`` is (blocks, (1 + pages) * ROWS, steps, page, 2, heads, head_dim): page p's CFG row r is
-    pool row ``p * ROWS + r``, and its frames hold their keys and values side by side, so a call
-    reads its past with one gather and attends to it without a copy; page 0 is the trash page.
+    pool row ``p * ROWS + r``, and its frames hold their keys and values side by side, so per block
+    and step a call reads its past with one gather and joins it to the new frames with one
+    concatenation that the attention reads as it is; page 0 is the trash page.
     Pages are reference-counted: a voice's prompt pages are held by the voice cache and by every
     stream that started from them.
     """
