@@ -33,6 +33,7 @@ from cosyapp.engine.token2wav.incremental import (
     IncrementalEstimator,
     IncrementalGraphs,
     run_cfm,
+    transformer_stages,
 )
 from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_condition
 from cosyapp.models.flow_encoder import length_mask
@@ -66,12 +67,7 @@ def conv_channels(estimator: CausalConditionalDecoder) -> list[int]:
 
 
 def transformer_count(estimator: CausalConditionalDecoder) -> int:
-    stages = [
-        estimator.down_blocks[0][1],
-        *(blocks for _, blocks in estimator.mid_blocks),
-        estimator.up_blocks[0][1],
-    ]
-    return sum(len(blocks) for blocks in stages)
+    return sum(len(blocks) for blocks in transformer_stages(estimator))
 
 
 class KVPool:
@@ -309,10 +305,8 @@ def _inputs(
     for b, item in enumerate(items):
         table[b, : len(item.cache.pages)] = torch.tensor(item.cache.pages, dtype=torch.long)
     keys = torch.cat([length_mask(past, past_pages * page), valid], dim=1)  # committed, then new frames
-    pos = torch.arange(width, device=dev)
-    in_chunk = pos.unsqueeze(0) < ((pos // page + 1) * page).unsqueeze(
-        1
-    )  # new x new, chunks from the past's end
+    pos = torch.arange(width, device=dev)  # new x new: chunks counted from the past's end
+    in_chunk = pos.unsqueeze(0) < ((pos // page + 1) * page).unsqueeze(1)
     allowed = keys.unsqueeze(1).expand(-1, width, -1).clone()
     allowed[:, :, past_pages * page :] &= in_chunk
     allowed[n:, :, 0] = True  # dummy rows attend to one key, so no softmax row is empty

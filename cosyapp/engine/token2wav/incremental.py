@@ -114,7 +114,7 @@ class IncrementalEstimator:
         self.est = estimator
         self.qkv_weights = [
             torch.cat([block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight]).detach()
-            for blocks in _transformer_stages(estimator)
+            for blocks in transformer_stages(estimator)
             for block in blocks
         ]
 
@@ -161,7 +161,7 @@ class IncrementalEstimator:
         return h.transpose(1, 2)
 
 
-def _transformer_stages(estimator: CausalConditionalDecoder) -> list[nn.ModuleList]:
+def transformer_stages(estimator: CausalConditionalDecoder) -> list[nn.ModuleList]:
     """The estimator's transformer blocks, stage by stage, in the order one step runs them."""
     return [
         estimator.down_blocks[0][1],
