@@ -15,11 +15,13 @@ a loopback port unless --url names a running one. Prints a row per level and wri
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
 import shlex
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -233,16 +235,22 @@ def _choice(parser: argparse.ArgumentParser, flag: str, value: str, allowed) -> 
     return value
 
 
-def _log_engine(out: Path) -> logging.Handler:
+@contextlib.contextmanager
+def _engine_log(out: Path) -> Iterator[None]:
     """The engine's own log at INFO (graph buckets met and captured, fallbacks, ...) in OUT-engine.log
     beside the JSON, for reading a level's outliers afterwards; the console stays as it was."""
     handler = logging.FileHandler(out.with_name(f"{out.stem}-engine.log"), mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.setLevel(logging.INFO)
     engine = logging.getLogger("cosyapp")
+    level = engine.level
     engine.setLevel(logging.INFO)
     engine.addHandler(handler)
-    return handler
+    try:
+        yield
+    finally:
+        engine.removeHandler(handler)
+        engine.setLevel(level)
+        handler.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,14 +259,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    engine = logging.getLogger("cosyapp")
-    level, engine_log = engine.level, _log_engine(args.out)
-    try:
+    with _engine_log(args.out):
         result = asyncio.run(run(args))
-    finally:
-        engine.removeHandler(engine_log)
-        engine.setLevel(level)
-        engine_log.close()
     result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}
     result["plots"] = {name: str(path) for name, path in plot_paths(args.out).items()}
     args.out.write_text(json.dumps(result, indent=2))  # first, so a failing plot loses no numbers

@@ -59,7 +59,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
     flow_dtype = flow_autocast_dtype(model, options)
-    if flow_dtype is not None and model.device.type == "cuda" and not hasattr(model.flow, "matmul_dtype"):
+    if flow_dtype is not None and model.device.type == "cuda" and model.flow.matmul_dtype is None:
         from cosyapp.engine.token2wav.precision import cast_matmul_weights
 
         # Before graphs are captured and before the incremental flow concatenates its projections.
@@ -98,8 +98,8 @@ def flow_autocast_dtype(model: CosyVoice2, options: ServeOptions) -> torch.dtype
 def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
     """The token2wav worker over ``model`` (prepared by build_pipeline), not started."""
     on_gpu = model.device.type == "cuda"
-    stored = getattr(model.flow, "matmul_dtype", None)
-    if stored is not None and stored != flow_autocast_dtype(model, options):
+    flow_dtype, stored = flow_autocast_dtype(model, options), model.flow.matmul_dtype
+    if stored is not None and stored != flow_dtype:
         raise ValueError(
             f"the flow's matrix weights are stored in {stored} (build_pipeline); a token2wav worker in "
             f"{options.flow_dtype or 'float32'} needs a model loaded again"
@@ -108,7 +108,7 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         model,
         max_batch=options.max_batch,
         first_hop=options.first_hop,
-        autocast_dtype=flow_autocast_dtype(model, options),
+        autocast_dtype=flow_dtype,
         flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
         flow_cache_graphs=options.cuda_graphs and on_gpu,
         chunked_final=options.chunked_final,

@@ -58,7 +58,7 @@ class CosyVoice2:
         dev, dtype = self.device, self.flow.input_embedding.weight.dtype
         # A flow whose matrix weights the engine stored in its autocast dtype runs under that
         # autocast (engine/token2wav/precision.py).
-        amp = getattr(self.flow, "matmul_dtype", None)
+        amp = self.flow.matmul_dtype
         with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
             mel, mel_len = self.flow.inference(
                 token=tokens[None].to(dev),

@@ -141,6 +141,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.encoder = encoder
         self.encoder_proj = nn.Linear(encoder.output_size, output_size)
         self.decoder = decoder
+        # Set when the serving engine stores the Linear/Conv1d weights in its autocast dtype
+        # (engine/token2wav/precision.py): the flow must then run under that autocast.
+        self.matmul_dtype: torch.dtype | None = None
 
     @torch.inference_mode()
     def inference(

@@ -23,10 +23,9 @@ def time_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(t.dtype)
 
 
-def _matmul_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a Linear's output has for input x: the autocast dtype under autocast."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs matrix products in on ``device`` now, or None outside autocast."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
 class TimestepMLP(nn.Module):
@@ -237,7 +236,7 @@ class CausalConditionalDecoder(nn.Module):
         allowed = attention_mask(mask[:, 0].bool(), self.static_chunk_size if streaming else 0)
         # Additive, in the attention's dtype, made once for every block: SDPA would turn a boolean
         # mask into exactly this in each of them.
-        attn_mask = torch.zeros(allowed.shape, dtype=_matmul_dtype(h), device=h.device)
+        attn_mask = torch.zeros(allowed.shape, dtype=autocast_dtype(h.device) or h.dtype, device=h.device)
         attn_mask.masked_fill_(~allowed, float("-inf"))
 
         resnet, blocks, conv = self.down_blocks[0]

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from cosyapp.models.flow_estimator import autocast_dtype
+
 if TYPE_CHECKING:
     from cosyapp.models.cosyvoice2 import CosyVoice2
 
@@ -95,7 +97,7 @@ class GraphedEstimator(nn.Module):
         shape = (bucket(rows, self.row_buckets), bucket(frames, self.frame_buckets))
         if None in shape or shape[0] * shape[1] > self.max_cells:
             return self.estimator(x, mask, mu, t, spks, cond, streaming)
-        key = (*shape, streaming, x.dtype, _autocast_dtype(x.device), x.device)
+        key = (*shape, streaming, x.dtype, autocast_dtype(x.device), x.device)
         captured = self._graphs.get(key) or self._capture(key, (x, mask, mu, t, spks, cond), streaming)
         _fill(captured.inputs, (x, mask, mu, t, spks, cond))
         if captured.graph is None:
@@ -109,7 +111,7 @@ class GraphedEstimator(nn.Module):
         for rows in self.row_buckets:
             for frames in (f for f in self.frame_buckets if rows * f <= self.max_cells):
                 for streaming in (False, True):
-                    key = (rows, frames, streaming, dtype, _autocast_dtype(device), device)
+                    key = (rows, frames, streaming, dtype, autocast_dtype(device), device)
                     if key not in self._graphs:
                         like = _blank_inputs(rows, frames, self.out_channels, device, dtype)
                         self._capture(key, like, streaming)
@@ -135,10 +137,6 @@ class GraphedEstimator(nn.Module):
             captured = _Captured(graph, inputs, output)
         self._graphs[key] = captured
         return captured
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
 def _blank_inputs(

@@ -19,6 +19,7 @@ from cosyapp.models.flow_estimator import (
     CausalConditionalDecoder,
     CausalConv1d,
     CausalResnetBlock1D,
+    autocast_dtype,
     time_embedding,
 )
 
@@ -239,7 +240,7 @@ class IncrementalGraphs:
             inputs.attn_mask.dtype,
             inputs.x.dtype,
             inputs.tails.dtype,
-            _autocast_dtype(inputs.x.device),
+            autocast_dtype(inputs.x.device),
         )
         graph = self._graphs.get(key)
         if graph is None and (self.defer or key in self._eager):
@@ -271,12 +272,12 @@ class IncrementalGraphs:
             log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
             self._graphs.pop(key, None)
             self._eager.add(key)
-        else:
-            log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
         finally:
             del self._missed[key]
             self.captures += 1
             self.capture_seconds += time.perf_counter() - started
+        if key in self._graphs:
+            log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return True
 
     def _capture(self, key: tuple, like: CallInputs) -> _Graph:
@@ -298,7 +299,3 @@ class IncrementalGraphs:
         captured = _Graph(graph, static, x, tails)
         self._graphs[key] = captured
         return captured
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None

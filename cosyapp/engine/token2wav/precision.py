@@ -10,15 +10,18 @@ float32 parameters, as autocast runs them in float32; embeddings and other param
 import torch
 from torch import nn
 
+from cosyapp.models.flow import CausalMaskedDiffWithXvec
+
 MATMUL_LAYERS = (nn.Linear, nn.Conv1d)
 
 
-def cast_matmul_weights(flow: nn.Module, dtype: torch.dtype) -> None:
+def cast_matmul_weights(flow: CausalMaskedDiffWithXvec, dtype: torch.dtype) -> None:
     """Store ``flow``'s Linear and Conv1d parameters in ``dtype``, in place.
 
     The flow must then always run under ``torch.autocast(dtype=dtype)``; ``flow.matmul_dtype``
     says which (``CosyVoice2.tokens_to_mel`` reads it).
     """
+    assert isinstance(flow, CausalMaskedDiffWithXvec)
     for module in flow.modules():
         if isinstance(module, MATMUL_LAYERS):
             module.to(dtype)
