@@ -48,6 +48,10 @@ class ServeOptions:
         once, later starts read them from cache_dir/inductor.
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
+    token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
+        -1 (their kernels are scheduled before the LM's when both wait).
+    lm_in_process: step vLLM's engine core on a thread of this process (engine/lm/inproc.py), so its
+        kernels overlap the flow's instead of taking turns with them; False: its own process.
 
     Raises OptionError for a value outside its range.
     """
@@ -72,6 +76,8 @@ class ServeOptions:
     chunked_final: bool = False
     compile_flow: bool = False
     overlap_hift: bool = True
+    token2wav_priority: int = 0
+    lm_in_process: bool = False
 
     def __post_init__(self) -> None:
         rules = [
@@ -93,6 +99,7 @@ class ServeOptions:
             ("slowest_speech_rate", self.slowest_speech_rate >= 0, "must not be negative"),
             ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
+            ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),
         ]
         for name, ok, rule in rules:

@@ -39,6 +39,7 @@ class Settings:
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
     compile_flow: bool = DEFAULTS.compile_flow
+    lm_in_process: bool = DEFAULTS.lm_in_process
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
     max_request_audio_s: float = DEFAULTS.max_request_audio_s
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the flow estimator's LayerNorms and pointwise work as kernels fused by torch.compile: "
         "the first start compiles them (kept under --cache-dir for later starts); the "
         "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
+    )
+    add(
+        "--lm-in-process",
+        action=argparse.BooleanOptionalAction,
+        default=_flag("LM_IN_PROCESS") if "COSYAPP_LM_IN_PROCESS" in os.environ else defaults.lm_in_process,
+        help="step vLLM's engine core on a thread of this process, so the LM's and the flow's GPU "
+        "kernels overlap instead of taking turns (default: %(default)s; env COSYAPP_LM_IN_PROCESS)",
     )
     add(
         "--max-text-chars",

@@ -2,7 +2,8 @@
 
 Two engines, each shared by the tests of one class: the tiny model as written (numerics and sampling
 against the PyTorch LM), and a copy whose head makes EOS certain once allowed and 6562/6563 impossible
-(lengths, concurrency, aborts).
+(lengths, concurrency, aborts). Each class runs twice: with vLLM's engine core in its own process
+(AsyncLLM), and stepped on a thread of this process (``in_process``, inproc.py).
 """
 
 import asyncio
@@ -50,8 +51,12 @@ def loop():
     loop.close()
 
 
-def start_engine(loop, model_dir, sampling) -> VllmSpeechLM:
-    lm = VllmSpeechLM(model_dir, sampling, max_model_len=MAX_MODEL_LEN, **ENGINE)
+IN_PROCESS = [False, True]
+IN_PROCESS_IDS = ["own-process", "in-process"]
+
+
+def start_engine(loop, model_dir, sampling, in_process: bool) -> VllmSpeechLM:
+    lm = VllmSpeechLM(model_dir, sampling, max_model_len=MAX_MODEL_LEN, in_process=in_process, **ENGINE)
     loop.run_until_complete(lm.start())
     return lm
 
@@ -252,13 +257,13 @@ def test_warmup_covers_powers_of_two_up_to_max_num_seqs():
 # --- engine on the tiny model: numerics and sampling ---------------------------------------------------
 
 
-@pytest.fixture(scope="class")
-def tiny_engine(loop, tiny_model, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="class", params=IN_PROCESS, ids=IN_PROCESS_IDS)
+def tiny_engine(request, loop, tiny_model, tiny_model_dir, tmp_path_factory):
     """The tiny model in fp32 on vLLM; class scope: stopped before the next engine starts."""
     folder = export_for_vllm(
         tiny_model.lm, tiny_model_dir, tmp_path_factory.mktemp("export"), dtype=torch.float32
     )
-    lm = start_engine(loop, folder, tiny_model.lm.sampling)
+    lm = start_engine(loop, folder, tiny_model.lm.sampling, request.param)
     yield lm
     loop.run_until_complete(lm.shutdown())
 
@@ -329,13 +334,13 @@ def stop_controlled_model(tiny_model_dir, tmp_path_factory):
     return load_model(folder, device="cpu")
 
 
-@pytest.fixture(scope="class")
-def stop_engine(loop, stop_controlled_model, tmp_path_factory):
+@pytest.fixture(scope="class", params=IN_PROCESS, ids=IN_PROCESS_IDS)
+def stop_engine(request, loop, stop_controlled_model, tmp_path_factory):
     model = stop_controlled_model
     folder = export_for_vllm(
         model.lm, model.model_dir, tmp_path_factory.mktemp("export"), dtype=torch.float32
     )
-    lm = start_engine(loop, folder, model.lm.sampling)
+    lm = start_engine(loop, folder, model.lm.sampling, request.param)
     yield lm
     loop.run_until_complete(lm.shutdown())
 
@@ -408,7 +413,7 @@ class TestStopControlledModel:
             received = len(await anext(stream))
             await wait_for(lambda: stop_engine.stats().last_batch_size == 3)
             await stream.aclose()
-            assert in_vllm(stop_engine) == 2  # gone from vLLM's frontend at once
+            await wait_for(lambda: in_vllm(stop_engine) == 2)  # gone from vLLM's frontend
             await wait_for(lambda: stop_engine.stats().last_batch_size == 2)  # and from its scheduler
             assert stop_engine.stats().running == 2
             return received, await asyncio.gather(*others)

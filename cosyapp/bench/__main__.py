@@ -33,7 +33,14 @@ from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 MODES = ("stream", "whole")
 # The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav).
 # compile_flow and flow_dtype are not among them: they change the model's flow in place.
-VARIANT_FIELDS = ("first_hop", "flow_cache_gb", "chunked_final", "overlap_hift", "max_batch")
+VARIANT_FIELDS = (
+    "first_hop",
+    "flow_cache_gb",
+    "chunked_final",
+    "overlap_hift",
+    "max_batch",
+    "token2wav_priority",
+)
 SMOKE = {
     "clients": "1,2",
     "texts": "short",
@@ -136,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the flow estimator's memory-bound work as kernels fused by torch.compile (as serve's flag)",
     )
     add(
+        "--lm-in-process",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.lm_in_process,
+        help="vLLM's engine core on a thread of this process (as serve's flag; default: %(default)s)",
+    )
+    add(
         "--variant",
         dest="variants",
         action="append",
@@ -181,6 +194,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             flow_cache_gb=args.flow_cache_gb,
             chunked_final=args.chunked_final,
             compile_flow=args.compile_flow,
+            lm_in_process=args.lm_in_process,
             slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:

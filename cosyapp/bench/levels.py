@@ -95,6 +95,7 @@ def _worker(pipeline: Pipeline) -> dict:
             "first_hop": t2w.first_hop,
             "max_batch": t2w.max_batch,
             "overlap_hift": t2w.overlap_hift,
+            "stream_priority": t2w.stream_priority,
             "flow_cache": t2w.cached is not None,
             "flow_dtype": str(t2w.autocast_dtype) if t2w.autocast_dtype else None,
         }

@@ -50,6 +50,7 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
         max_num_seqs=options.max_streams,
         enforce_eager=not on_gpu,  # compiling and CUDA graphs pay off only on a GPU
         kv_cache_memory_bytes=options.kv_cache_memory_bytes if not on_gpu else None,
+        in_process=options.lm_in_process,
     )
 
 
@@ -113,4 +114,5 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         flow_cache_graphs=options.cuda_graphs and on_gpu,
         chunked_final=options.chunked_final,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
+        stream_priority=options.token2wav_priority,
     )

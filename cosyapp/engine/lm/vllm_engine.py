@@ -4,9 +4,10 @@ vLLM batches every request of every session in shared steps (continuous batching
 upstream's exact RAS rule, applied inside vLLM by ``vllm_model.RasLogitsProcessor``. vLLM is imported
 inside methods only, so this module imports on machines without it.
 
-vLLM decodes in an engine-core process. If that process dies (killed, crashed, out of memory), the
-requests in flight end with ``EngineRestartingError`` and a watchdog starts a fresh engine; until it
-serves, new requests get the same error (a "busy, try again" for the user).
+vLLM decodes in an engine-core process, or with ``in_process`` on a thread of this one (inproc.py says
+why). If the engine dies (its process killed, crashed, out of memory, or a failed step), the requests
+in flight end with ``EngineRestartingError`` and a watchdog starts a fresh engine; until it serves,
+new requests get the same error (a "busy, try again" for the user).
 """
 
 import asyncio
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 
 from cosyapp.engine.admission import BusyError
 from cosyapp.engine.lm.base import LMRequest, LMStats
+from cosyapp.engine.lm.inproc import InprocEngineError, InprocLLM
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, SamplingParams
@@ -144,7 +146,8 @@ class VllmSpeechLM:
     embeddings are cast to it). ``kv_cache_memory_bytes`` sizes the KV cache directly (needed on CPU);
     otherwise vLLM takes ``gpu_memory_utilization`` of the GPU. ``max_model_len`` (prompt + generated
     tokens) defaults to the backbone's. ``enforce_eager`` skips torch.compile and CUDA graphs (faster
-    start, slower steps).
+    start, slower steps). ``in_process``: step vLLM's engine core on a thread of this process
+    (inproc.py) instead of in its own process, its CUDA stream at ``stream_priority``.
     """
 
     def __init__(
@@ -158,6 +161,8 @@ class VllmSpeechLM:
         enforce_eager: bool = False,
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
+        in_process: bool = False,
+        stream_priority: int = 0,
     ):
         self.model_dir = model_dir
         self.sampling = sampling
@@ -167,6 +172,8 @@ class VllmSpeechLM:
         self.enforce_eager = enforce_eager
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = max_model_len
+        self.in_process = in_process
+        self.stream_priority = stream_priority
         self.hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
         self._engine = None
         self._start_lock = asyncio.Lock()
@@ -180,7 +187,7 @@ class VllmSpeechLM:
 
     @property
     def engine(self):
-        """The underlying ``vllm.v1.engine.async_llm.AsyncLLM`` (None before ``start``)."""
+        """The underlying ``vllm.v1.engine.async_llm.AsyncLLM``, or ``InprocLLM`` (None before ``start``)."""
         return self._engine
 
     async def start(self) -> None:
@@ -192,7 +199,7 @@ class VllmSpeechLM:
             self._watchdog = asyncio.create_task(self._watch())
 
     async def _launch(self) -> None:
-        """A new AsyncLLM (loaded in a thread, so the server keeps answering), warmed up."""
+        """A new engine (loaded in a thread, so the server keeps answering), warmed up."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -217,7 +224,16 @@ class VllmSpeechLM:
         )
         self._batch_stats = BatchStats()
         stat_loggers = [batch_stats_logger(self._batch_stats)]
-        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=stat_loggers)
+        if self.in_process:
+            self._engine = await asyncio.to_thread(
+                InprocLLM.start,
+                args,
+                stat_loggers,
+                stream_priority=self.stream_priority,
+                on_idle=self._batch_stats.idle,
+            )
+        else:
+            self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=stat_loggers)
         try:
             await self._warm_up()
         except BaseException:
@@ -284,8 +300,8 @@ class VllmSpeechLM:
                     if tokens:
                         self._tokens_generated += len(tokens)
                         yield tokens
-        except EngineDeadError as error:
-            self._recover("the engine process stopped during a request")
+        except (EngineDeadError, InprocEngineError) as error:
+            self._recover("the engine stopped during a request")
             raise EngineRestartingError(RESTARTING) from error
         finally:
             self._running -= 1

@@ -160,6 +160,10 @@ class BatchStats:
         """Forget the steps seen so far (e.g. after a warm-up)."""
         self.last_batch_size = self.max_batch_size = 0
 
+    def idle(self) -> None:
+        """No request is running (the in-process engine says so when it goes idle)."""
+        self.last_batch_size = 0
+
 
 class BatchStatsRecorder(StatLoggerBase):
     """A vLLM stat logger that copies the scheduler's running count of every step into ``BatchStats``."""

@@ -61,8 +61,8 @@ class Token2Wav:
     on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
-    (and CUDA stream) beside the next flow step (module docstring). Jobs submitted before start() wait
-    for it.
+    (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
+    streams (0, or -1 before the LM's). Jobs submitted before start() wait for it.
     """
 
     def __init__(
@@ -76,6 +76,7 @@ class Token2Wav:
         chunked_final: bool = DEFAULTS.chunked_final,
         step_frames: int | None = None,
         overlap_hift: bool = False,
+        stream_priority: int = 0,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -88,6 +89,7 @@ class Token2Wav:
         self._queue = JobQueue(max_batch, self.step_frames, self._cost)
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift = overlap_hift
+        self.stream_priority = stream_priority
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
         self._handoff: queue.Queue[list[Job] | None] = queue.Queue(HANDOFF_STEPS)
@@ -241,7 +243,7 @@ class Token2Wav:
         dev = self.model.device
         if dev.type != "cuda":
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.Stream(dev))
+        return torch.cuda.stream(torch.cuda.Stream(dev, priority=self.stream_priority))
 
     def _cost(self, job: Job) -> tuple[tuple, int]:
         """The flow call a job joins and the frames it pads that call to: its new frames in the
