@@ -133,36 +133,6 @@ def test_take_waits_while_held_and_returns_none_once_closed(loop):
     assert len(left) == 1 and len(queue) == 0
 
 
-def test_idle_work_runs_one_piece_at_a_time_only_while_nothing_is_queued(loop):
-    queue = _queue()
-    job = _job(loop, _stream(), 28)
-    pieces = []
-
-    def idle() -> bool:  # three pieces of background work; a job arrives during the second
-        pieces.append(len(queue))
-        if len(pieces) == 2:
-            queue.put(job)
-        return len(pieces) < 3
-
-    assert queue.take(idle=idle) == [job]
-    assert pieces == [0, 0]  # the job was taken before a third piece
-
-    async def close_later():
-        await asyncio.sleep(0.2)
-        queue.close()
-
-    async def main():
-        closer = asyncio.ensure_future(close_later())
-        taken = await asyncio.to_thread(queue.take, idle)
-        await closer
-        return taken
-
-    # The last piece reports nothing left: take then waits for jobs (here: the close) without
-    # calling idle again.
-    assert loop.run_until_complete(main()) is None
-    assert pieces == [0, 0, 0]
-
-
 def test_a_streams_first_audio_is_not_held_behind_a_huge_whole_clip(tiny_model):
     """On the worker: a long whole clip and a new stream arrive together; the stream's first chunk
     runs in its own step first, and its audio is what a stream alone gets."""

@@ -5,10 +5,14 @@ A streaming stream takes the incremental path from its first chunk when the pool
 pages; it keeps them until its final chunk or until it ends otherwise, and a stream the pool cannot
 serve at some chunk gives its pages back and finishes on the recompute path, which computes the same
 frames. Whole clips (full attention over the whole sentence) always take the recompute path. Only
-the worker's flow thread uses this object.
+the worker's flow thread uses this object, besides the thread that captures missed graph buckets.
 """
 
+import contextlib
 import logging
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +32,7 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 
 logger = logging.getLogger(__name__)
 VOICE_SHARE = 4  # at most 1/4 of the pool holds voices' prompt pages
+CAPTURE_POLL_S = 0.02  # how often the capture thread looks for missed graph buckets
 
 
 class CachedFlow:
@@ -51,11 +56,13 @@ class CachedFlow:
         self.chunked_final = chunked_final
         self.holders: set[Stream] = set()
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
+        self._capturer: threading.Thread | None = None
+        self._capturing = False
         logger.info("incremental streaming flow: %d pages of %d frames", pages, self.pool.page)
 
     @property
     def missed_graphs(self) -> int:
-        """Graph buckets the calls met and ``capture_missed`` has not captured yet."""
+        """Graph buckets the calls met and the capture thread has not captured yet."""
         return self.flow.graphs.missed if self.flow.graphs is not None else 0
 
     def graph_counters(self) -> dict:
@@ -69,9 +76,28 @@ class CachedFlow:
             "graph_capture_seconds": graphs.capture_seconds,
         }
 
-    def capture_missed(self) -> bool:
-        """Capture one missed graph bucket (on the flow thread); False when none is waiting."""
-        return self.flow.graphs is not None and self.flow.graphs.capture_missed()
+    def start_captures(self, cuda_stream: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Capture the graph buckets the calls miss on a thread of their own (under
+        ``cuda_stream()``), so a capture never holds the flow thread; idempotent."""
+        if self.flow.graphs is None or self._capturer is not None:
+            return
+        self._capturing = True
+
+        def work() -> None:
+            with torch.inference_mode(), cuda_stream():
+                while self._capturing:
+                    if not self.flow.graphs.capture_missed():
+                        time.sleep(CAPTURE_POLL_S)
+
+        self._capturer = threading.Thread(target=work, name="token2wav-capture", daemon=True)
+        self._capturer.start()
+
+    def stop_captures(self) -> None:
+        """Stop the capture thread after the capture it is in; idempotent."""
+        self._capturing = False
+        if self._capturer is not None:
+            self._capturer.join()
+            self._capturer = None
 
     def serves(self, job: Job) -> bool:
         """Whether ``job`` would go the incremental way, as far as is known before ``takes``."""

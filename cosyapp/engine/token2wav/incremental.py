@@ -6,6 +6,7 @@ path runs the same code. See flow_cache.py for what is kept and why it is exact.
 """
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, fields
 
@@ -210,17 +211,20 @@ class IncrementalGraphs:
 
     Eager, a call is launch-bound at every batch size (docs/benchmarks/README.md); replayed, the
     kernels run back to back. The Pipeline's warm-up meets the common buckets
-    (Pipeline.warm_up_token2wav). A capture runs the call eagerly three times, so with ``defer`` a
-    bucket's first call runs eagerly once and keeps a copy of its inputs; the worker captures it when
-    it has nothing queued (``capture_missed``), and a call that comes before that runs eagerly too.
-    Without ``defer`` the first call captures and then replays, holding the worker meanwhile.
+    (Pipeline.warm_up_token2wav). A capture runs the call eagerly three times (one to two seconds),
+    so with ``defer`` a bucket's first call runs eagerly once and keeps a copy of its inputs, and a
+    thread of its own captures it (``capture_missed``, cached.py) while the flow thread serves on;
+    calls that come before the capture has ended run eagerly too. Without ``defer`` the first call
+    captures and then replays, holding the flow thread meanwhile.
     """
 
     def __init__(self, step_fn: IncrementalEstimator, kv: Tensor, cfg_rate: float, defer: bool = True):
         self.step_fn, self.kv, self.cfg_rate = step_fn, kv, cfg_rate
         self.defer = defer
         self._graphs: dict[tuple, _Graph] = {}
-        self._missed: dict[tuple, CallInputs] = {}  # buckets met but not captured: a call's inputs
+        # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
+        self._missed: dict[tuple, tuple[CallInputs, torch.cuda.Event]] = {}
+        self._lock = threading.Lock()  # the flow thread adds to _missed, the capture thread takes
         self._eager: set[tuple] = set()  # buckets whose capture failed
         self._pool = None
         self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
@@ -244,11 +248,14 @@ class IncrementalGraphs:
         )
         graph = self._graphs.get(key)
         if graph is None and (self.defer or key in self._eager):
-            if key not in self._missed and key not in self._eager:
-                log.info("incremental flow bucket %s met uncaptured: eager until captured", key[:4])
-                kept = inputs.empty_like()
-                kept.copy_(inputs)
-                self._missed[key] = kept
+            with self._lock:
+                if key not in self._missed and key not in self._eager:
+                    log.info("incremental flow bucket %s met uncaptured: eager until captured", key[:4])
+                    kept = inputs.empty_like()
+                    kept.copy_(inputs)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                    self._missed[key] = (kept, copied)
             self.eager_calls += 1
             return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
         graph = graph or self._capture(key, inputs)
@@ -258,11 +265,13 @@ class IncrementalGraphs:
 
     def capture_missed(self) -> bool:
         """Capture one bucket a call met since (under the autocast it ran with); False when none was
-        waiting. Call it from the thread that runs the calls, on its CUDA stream. The bucket counts
-        as missed until its capture has ended."""
-        if not self._missed:
-            return False
-        key, like = next(iter(self._missed.items()))
+        waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the
+        calls. The bucket counts as missed until its capture has ended."""
+        with self._lock:
+            if not self._missed:
+                return False
+            key, (like, copied) = next(iter(self._missed.items()))
+        torch.cuda.current_stream(like.x.device).wait_event(copied)
         dtype = key[-1]
         started = time.perf_counter()
         try:
@@ -270,10 +279,12 @@ class IncrementalGraphs:
                 self._capture(key, like)
         except Exception:  # out of memory, or any other failure: its calls stay eager, the worker serves on
             log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
-            self._graphs.pop(key, None)
-            self._eager.add(key)
+            with self._lock:
+                self._graphs.pop(key, None)
+                self._eager.add(key)
         finally:
-            del self._missed[key]
+            with self._lock:
+                del self._missed[key]
             self.captures += 1
             self.capture_seconds += time.perf_counter() - started
         if key in self._graphs:
@@ -296,6 +307,8 @@ class IncrementalGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             x, tails = run_cfm(self.step_fn, self.kv, static, self.cfg_rate)
+        # The static inputs are another thread's to write once the graph is published.
+        torch.cuda.current_stream(dev).synchronize()
         captured = _Graph(graph, static, x, tails)
         self._graphs[key] = captured
         return captured

@@ -68,12 +68,11 @@ class JobQueue:
             self._changed.notify()
             return left
 
-    def take(self, idle: Callable[[], bool] | None = None) -> list[Job] | None:
+    def take(self) -> list[Job] | None:
         """Block until there are jobs (and no hold), then remove and return the next step's batch;
-        None once closed. While nothing is queued, ``idle`` (if given) is called, outside the lock,
-        for one piece of background work at a time; it returns False when it has none left."""
-        while True:
-            with self._changed:
+        None once closed."""
+        with self._changed:
+            while True:
                 if not self._closed and not self._held and self._jobs:
                     batch = self._select()
                     taken = set(map(id, batch))
@@ -81,11 +80,7 @@ class JobQueue:
                     return batch
                 if self._closed:
                     return None
-                if idle is None or self._held:
-                    self._changed.wait()
-                    continue
-            if not idle():
-                idle = None  # nothing left: wait for jobs as usual (new work comes with new jobs)
+                self._changed.wait()
 
     def _select(self) -> list[Job]:
         order = sorted(range(len(self._jobs)), key=lambda i: (deadline(self._jobs[i]), i))

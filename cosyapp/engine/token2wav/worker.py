@@ -108,6 +108,8 @@ class Token2Wav:
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
+            if self.cached is not None:
+                self.cached.start_captures(self._own_cuda_stream)
             if self.overlap_hift:
                 self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
                 self._vocoder.start()
@@ -134,6 +136,8 @@ class Token2Wav:
             left = self._queue.close()
             self._thread.join()  # its last step is handed over before it ends
             self._thread = None
+            if self.cached is not None:
+                self.cached.stop_captures()
             if self._vocoder is not None:
                 self._handoff.put(None)
                 self._vocoder.join()
@@ -147,9 +151,8 @@ class Token2Wav:
         return self.cached.missed_graphs if self.cached is not None else 0
 
     async def graphs_settled(self) -> None:
-        """Return once every incremental-flow graph bucket met so far is captured. A capture holds
-        the flow thread for a second or two, so warm-ups wait here rather than leave it to the first
-        requests."""
+        """Return once every incremental-flow graph bucket met so far is captured (warm-ups wait
+        here, so the first requests share the GPU with no capture)."""
         while self.pending_captures:
             await asyncio.sleep(0.01)
 
@@ -209,10 +212,8 @@ class Token2Wav:
     def _work(self) -> None:
         """The flow thread: each step's jobs through the flow, then to HiFT (here, or handed over)."""
         dtype = self.model.flow.input_embedding.weight.dtype
-        # While nothing is queued, it captures the incremental flow's missed graph buckets.
-        idle = self.cached.capture_missed if self.cached is not None else None
         with torch.inference_mode(), self._own_cuda_stream():
-            while (jobs := self._queue.take(idle)) is not None:
+            while (jobs := self._queue.take()) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
                 for job in live:
