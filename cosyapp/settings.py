@@ -40,6 +40,7 @@ class Settings:
     chunked_final: bool = DEFAULTS.chunked_final
     compile_flow: bool = DEFAULTS.compile_flow
     lm_in_process: bool = DEFAULTS.lm_in_process
+    token2wav_priority: int = DEFAULTS.token2wav_priority
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
     max_request_audio_s: float = DEFAULTS.max_request_audio_s
@@ -192,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=_flag("LM_IN_PROCESS") if "COSYAPP_LM_IN_PROCESS" in os.environ else defaults.lm_in_process,
         help="step vLLM's engine core on a thread of this process, so the LM's and the flow's GPU "
         "kernels overlap instead of taking turns (default: %(default)s; env COSYAPP_LM_IN_PROCESS)",
+    )
+    add(
+        "--token2wav-priority",
+        type=int,
+        choices=(0, -1),
+        default=int(_env("TOKEN2WAV_PRIORITY", defaults.token2wav_priority)),
+        help="CUDA stream priority of the flow and HiFT: -1 runs their kernels before the LM's when "
+        "both wait, which matters only with --lm-in-process (default: %(default)s; env "
+        "COSYAPP_TOKEN2WAV_PRIORITY)",
     )
     add(
         "--max-text-chars",

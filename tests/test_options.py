@@ -29,6 +29,7 @@ def test_the_command_line_choices_reach_the_options():
 
     argv = ["--engine", "torch", "--max-streams", "8", "--gpu-memory-utilization", "0.5", "--first-hop", "15"]
     argv += ["--max-text-chars", "900", "--cache-dir", "cache"]
+    argv += ["--lm-in-process", "--token2wav-priority", "-1"]
     assert parse_settings(argv).serve_options() == replace(
         DEFAULTS,
         engine="torch",
@@ -38,6 +39,8 @@ def test_the_command_line_choices_reach_the_options():
         first_hop=15,
         max_text_chars=900,
         cache_dir=Path("cache"),
+        lm_in_process=True,
+        token2wav_priority=-1,
     )
 
 
@@ -54,11 +57,13 @@ def test_the_benchmark_defaults_are_the_options_defaults():
     [
         ("cosyapp.engine.token2wav.worker:Token2Wav", "max_batch", "max_batch"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "first_hop", "first_hop"),
+        ("cosyapp.engine.token2wav.worker:Token2Wav", "stream_priority", "token2wav_priority"),
         ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
         ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
         ("cosyapp.engine.lm.torch_engine:TorchSpeechLM", "max_batch", "max_batch"),
         ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "gpu_memory_utilization", "gpu_memory_utilization"),
         ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "max_num_seqs", "max_streams"),
+        ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "in_process", "lm_in_process"),
         ("cosyapp.frontend.text:TextFrontend", "max_chars", "max_text_chars"),
     ],
 )
@@ -79,6 +84,7 @@ def test_engine_constructors_default_to_the_options(constructor, parameter, opti
         ({"first_hop": 101}, "first_hop must be between 10 and 100"),
         ({"max_batch": 0}, "max_batch must be at least 1"),
         ({"flow_dtype": "int8"}, "flow_dtype must be one of"),
+        ({"token2wav_priority": 1}, "token2wav_priority must be 0 or -1"),
     ],
 )
 def test_an_option_out_of_range_is_refused_with_its_rule(change, message):

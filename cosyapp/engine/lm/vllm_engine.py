@@ -161,7 +161,7 @@ class VllmSpeechLM:
         enforce_eager: bool = False,
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
-        in_process: bool = False,
+        in_process: bool = DEFAULTS.lm_in_process,
         stream_priority: int = 0,
     ):
         self.model_dir = model_dir

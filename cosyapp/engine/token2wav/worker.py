@@ -76,7 +76,7 @@ class Token2Wav:
         chunked_final: bool = DEFAULTS.chunked_final,
         step_frames: int | None = None,
         overlap_hift: bool = False,
-        stream_priority: int = 0,
+        stream_priority: int = DEFAULTS.token2wav_priority,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
