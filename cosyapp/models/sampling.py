@@ -94,8 +94,13 @@ def recent_window(
     histories: list[list[int]], win_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """The last ``win_size`` tokens of each history as a (B, win_size) long tensor, left-padded with -1."""
-    rows = [([-1] * win_size + h[-win_size:])[-win_size:] for h in histories]
+    rows = [window_row(h, win_size) for h in histories]
     return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(histories), win_size)
+
+
+def window_row(history: list[int], win_size: int) -> list[int]:
+    """One row of ``recent_window``: the last ``win_size`` tokens, left-padded with -1."""
+    return ([-1] * win_size + history[-win_size:])[-win_size:]
 
 
 def ras_distribution(

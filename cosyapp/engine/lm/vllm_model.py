@@ -24,7 +24,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from cosyapp.models.sampling import SamplingParams, ras_distribution, recent_window
+from cosyapp.models.sampling import SamplingParams, ras_distribution, window_row
 
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 RAS_ARG = "cosyapp_ras"  # key in vLLM's SamplingParams.extra_args
@@ -110,6 +110,8 @@ class RasLogitsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         self.rows: dict[int, _RasRow] = {}  # persistent batch index -> state
+        # Each step's host-side inputs go to the GPU from page-locked memory, without waiting for it.
+        self.pin_memory = is_pin_memory
 
     @classmethod
     def validate_params(cls, sampling_params: VllmSamplingParams) -> None:
@@ -132,20 +134,32 @@ class RasLogitsProcessor(LogitsProcessor):
         return None if parsed is None else _RasRow(parsed[0], parsed[1], output_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Rewrite the RAS rows of ``logits`` (num_requests, vocab) in place."""
+        """``logits`` (num_requests, vocab) with its RAS rows rewritten."""
         groups: dict[SamplingParams, list[int]] = {}
         for index, row in self.rows.items():
             groups.setdefault(row.params, []).append(index)
         for params, indices in groups.items():
-            rows = [self.rows[i] for i in indices]
+            indices.sort()
             # Under async scheduling vLLM swaps its -1 placeholder for the sampled token before this runs;
             # a placeholder left over would still count for the length and drop out of the window.
-            recent = recent_window([r.output_ids for r in rows], params.win_size, logits.device)
-            reached = [len(r.output_ids) >= r.min_tokens for r in rows]
-            eos_allowed = torch.tensor(reached, device=logits.device)
-            index = torch.tensor(indices, device=logits.device)
-            probs = ras_distribution(logits[index], recent, eos_allowed, params)
-            logits[index] = probs.log().to(logits.dtype)
+            # One host tensor per group, one transfer: each row's window, whether EOS is allowed, its
+            # index in the batch (a tensor built on the device from a list would wait for the GPU).
+            host = torch.tensor(
+                [
+                    [*window_row(row.output_ids, params.win_size), len(row.output_ids) >= row.min_tokens, i]
+                    for i, row in ((i, self.rows[i]) for i in indices)
+                ],
+                dtype=torch.long,
+            )
+            if self.pin_memory:
+                host = host.pin_memory()
+            packed = host.to(logits.device, non_blocking=self.pin_memory)
+            recent, eos_allowed, index = packed[:, :-2], packed[:, -2].bool(), packed[:, -1]
+            if indices == list(range(logits.size(0))):  # every row: no gather and scatter
+                logits = ras_distribution(logits, recent, eos_allowed, params).log().to(logits.dtype)
+            else:
+                probs = ras_distribution(logits[index], recent, eos_allowed, params)
+                logits[index] = probs.log().to(logits.dtype)
         return logits
 
 
