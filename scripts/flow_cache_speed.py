@@ -233,7 +233,7 @@ def run_schedule(flow, pool, runner, v, batch, tokens, calls, timings: list | No
 
 
 def capture_missed(runner: IncrementalFlow) -> None:
-    """Capture the buckets the runner's calls met, as the worker does between steps."""
+    """Capture the buckets the runner's calls met (the worker has a thread for it)."""
     if runner.graphs is not None and DEVICE.type == "cuda":
         while runner.graphs.capture_missed():
             pass

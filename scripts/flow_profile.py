@@ -11,10 +11,14 @@ gap between the graphed wall time and the kernels' own time shows what launches 
 
 The flow's Linear and Conv1d weights are stored in float16 as the server stores them
 (engine/token2wav/precision.py); FLOW_PROFILE_FP32_WEIGHTS=1 keeps them float32, so autocast casts
-them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes.
+them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes (empty: none).
+FLOW_PROFILE_WHOLE=23,64 also profiles whole clips (the recompute path, full attention, eagerly as
+the worker runs calls past the graphs' largest bucket) for that many requests at once: wall time,
+TFLOP/s (torch's FlopCounterMode) and the same kernel categories.
 """
 
 import collections
+import functools
 import json
 import os
 import re
@@ -31,17 +35,20 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
     TOKENS,
     autocast,
     capture_missed,
+    flops,
     schedule,
     start_caches,
     sync,
     voice,
+    whole_clip,
 )
 
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, KVPool, raw_estimator  # noqa: E402
 from cosyapp.engine.token2wav.precision import cast_matmul_weights  # noqa: E402
 from cosyapp.models.flow import CausalMaskedDiffWithXvec  # noqa: E402
 
-BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64").split(","))
+BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64").split(",") if b)
+WHOLE = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_WHOLE", "").split(",") if b)
 CAST = os.environ.get("FLOW_PROFILE_FP32_WEIGHTS") != "1" and DEVICE.type == "cuda"
 
 # First match wins: convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both).
@@ -149,6 +156,31 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
         )
 
 
+def measure_whole(flow, v, tokens, batch: int, emit) -> None:
+    """``batch`` whole clips in one eager flow call: wall time, TFLOP/s, kernels by category."""
+    run = functools.partial(whole_clip, flow, v, tokens, batch)
+    run()  # kernels, allocator
+    sync()
+    start = time.perf_counter()
+    run()
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1000
+    work = flops(run)
+    activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        run()
+        sync()
+    emit(
+        {
+            "whole_batch": batch,
+            "tokens": TOKENS,
+            "eager_ms": round(wall_ms, 2),
+            "tflops": round(work / wall_ms / 1e9, 1),
+            **summarise(kernels(prof)),
+        }
+    )
+
+
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "flow-profile.json"
     torch.manual_seed(0)
@@ -175,6 +207,8 @@ def main() -> None:
         measure(flow, v, tokens, calls, batch, emit)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
+    for batch in WHOLE:
+        measure_whole(flow, v, tokens, batch, emit)
 
 
 if __name__ == "__main__":

