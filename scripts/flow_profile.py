@@ -51,10 +51,11 @@ BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64"
 WHOLE = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_WHOLE", "").split(",") if b)
 CAST = os.environ.get("FLOW_PROFILE_FP32_WEIGHTS") != "1" and DEVICE.type == "cuda"
 
-# First match wins: convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both).
+# First match wins: attention before convolutions (cuDNN's SDPA kernels are named "..._fprop_..."),
+# convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both).
 CATEGORIES = (
+    ("attention", r"fmha|flash|attention|sdpa"),
     ("convolution", r"conv|fprop|dgrad|wgrad|im2col"),
-    ("attention", r"fmha|flash|attention|sdpa|cudnn_generated"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_"),
     ("layer_norm", r"layer_norm|LayerNorm"),
     ("cast", r"_to_copy|bfloat16_copy|float16_copy|to_copy"),
