@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--lm-in-process",
         action=argparse.BooleanOptionalAction,
-        default=_flag("LM_IN_PROCESS") if "COSYAPP_LM_IN_PROCESS" in os.environ else defaults.lm_in_process,
+        default=_flag("LM_IN_PROCESS"),
         help="step vLLM's engine core on a thread of this process, so the LM's and the flow's GPU "
         "kernels overlap instead of taking turns (default: %(default)s; env COSYAPP_LM_IN_PROCESS)",
     )

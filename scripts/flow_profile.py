@@ -39,6 +39,7 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
     schedule,
     start_caches,
     sync,
+    timed,
     voice,
     whole_clip,
 )
@@ -126,20 +127,10 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
     graphed_ms, profiles = {}, {}
 
     def time_call(i, fn):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        graphed_ms[i] = (time.perf_counter() - start) * 1000
+        graphed_ms[i] = timed(fn)[1]
 
     def profile_call(i, fn):
-        sync()
-        start = time.perf_counter()
-        activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
-        with profile(activities=[activity]) as prof:
-            fn()
-            sync()
-        profiles[i] = (summarise(kernels(prof)), (time.perf_counter() - start) * 1000)
+        profiles[i] = profiled(fn)
 
     sentence(graphed, time_call)
     sentence(eager, profile_call)
@@ -157,27 +148,31 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
         )
 
 
+def profiled(fn) -> tuple[dict, float]:
+    """``fn()`` under the profiler: its kernels summarised, and its wall time (ms) as profiled."""
+    sync()
+    start = time.perf_counter()
+    activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        fn()
+        sync()
+    return summarise(kernels(prof)), (time.perf_counter() - start) * 1000
+
+
 def measure_whole(flow, v, tokens, batch: int, emit) -> None:
     """``batch`` whole clips in one eager flow call: wall time, TFLOP/s, kernels by category."""
     run = functools.partial(whole_clip, flow, v, tokens, batch)
-    run()  # kernels, allocator
-    sync()
-    start = time.perf_counter()
-    run()
-    sync()
-    wall_ms = (time.perf_counter() - start) * 1000
+    timed(run)  # kernels, allocator
+    wall_ms = timed(run)[1]
     work = flops(run)
-    activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        run()
-        sync()
+    summary, _ = profiled(run)
     emit(
         {
             "whole_batch": batch,
             "tokens": TOKENS,
             "eager_ms": round(wall_ms, 2),
             "tflops": round(work / wall_ms / 1e9, 1),
-            **summarise(kernels(prof)),
+            **summary,
         }
     )
 

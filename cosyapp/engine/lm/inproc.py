@@ -33,13 +33,11 @@ class InprocEngineError(RuntimeError):
 class InprocLLM:
     """An ``LLMEngine`` stepped on its own thread; build it with ``InprocLLM.start``.
 
-    ``stream_priority``: the CUDA stream priority of the engine's steps on a GPU (lower is more
-    urgent, as in ``torch.cuda.Stream``). ``on_idle``: called on the engine thread whenever no
-    request is left unfinished (vLLM records scheduler stats only for steps with outputs).
+    ``on_idle``: called on the engine thread whenever no request is left unfinished (vLLM records
+    scheduler stats only for steps with outputs).
     """
 
-    def __init__(self, stream_priority: int = 0, on_idle: Callable[[], None] | None = None):
-        self.stream_priority = stream_priority
+    def __init__(self, on_idle: Callable[[], None] | None = None):
         self.on_idle = on_idle
         self.engine = None  # vllm.v1.engine.llm_engine.LLMEngine, once built
         self.errored = False
@@ -189,7 +187,7 @@ class InprocLLM:
         """On a GPU, the engine's steps on a CUDA stream of their own (see the module docstring)."""
         if not torch.cuda.is_available():
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.Stream(priority=self.stream_priority))
+        return torch.cuda.stream(torch.cuda.Stream())
 
 
 def _build(engine_args, stat_loggers):

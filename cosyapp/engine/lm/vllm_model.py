@@ -140,14 +140,15 @@ class RasLogitsProcessor(LogitsProcessor):
             groups.setdefault(row.params, []).append(index)
         for params, indices in groups.items():
             indices.sort()
+            rows = [self.rows[i] for i in indices]
             # Under async scheduling vLLM swaps its -1 placeholder for the sampled token before this runs;
             # a placeholder left over would still count for the length and drop out of the window.
             # One host tensor per group, one transfer: each row's window, whether EOS is allowed, its
             # index in the batch (a tensor built on the device from a list would wait for the GPU).
             host = torch.tensor(
                 [
-                    [*window_row(row.output_ids, params.win_size), len(row.output_ids) >= row.min_tokens, i]
-                    for i, row in ((i, self.rows[i]) for i in indices)
+                    [*window_row(r.output_ids, params.win_size), len(r.output_ids) >= r.min_tokens, i]
+                    for i, r in zip(indices, rows, strict=True)
                 ],
                 dtype=torch.long,
             )
