@@ -11,13 +11,17 @@ gap between the graphed wall time and the kernels' own time shows what launches 
 
 The flow's Linear and Conv1d weights are stored in float16 as the server stores them
 (engine/token2wav/precision.py); FLOW_PROFILE_FP32_WEIGHTS=1 keeps them float32, so autocast casts
-them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes (empty: none).
+them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes (empty: none);
+FLOW_PROFILE_GRAPHED=0 leaves out the graphed timing (and its captures' memory).
 FLOW_PROFILE_WHOLE=23,64 also profiles whole clips (the recompute path, full attention, eagerly as
 the worker runs calls past the graphs' largest bucket) for that many requests at once: wall time,
-TFLOP/s (torch's FlopCounterMode) and the same kernel categories.
+TFLOP/s (torch's FlopCounterMode) and the same kernel categories, under each variant of
+FLOW_PROFILE_WHOLE_VARIANTS (default all: the dense attention mask against none, each SDPA backend,
+the estimator's pieces compiled as --compile-flow does, with and without guard evaluation).
 """
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -45,11 +49,14 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
 )
 
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, KVPool, raw_estimator  # noqa: E402
+from cosyapp.engine.token2wav.fused import PIECES as FUSED_PIECES  # noqa: E402
+from cosyapp.engine.token2wav.fused import fuse_estimator  # noqa: E402
 from cosyapp.engine.token2wav.precision import cast_matmul_weights  # noqa: E402
 from cosyapp.models.flow import CausalMaskedDiffWithXvec  # noqa: E402
 
 BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64").split(",") if b)
 WHOLE = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_WHOLE", "").split(",") if b)
+GRAPHED = os.environ.get("FLOW_PROFILE_GRAPHED") != "0"
 CAST = os.environ.get("FLOW_PROFILE_FP32_WEIGHTS") != "1" and DEVICE.type == "cuda"
 
 # First match wins: attention before convolutions (cuDNN's SDPA kernels are named "..._fprop_..."),
@@ -122,8 +129,6 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
             pool.release(c.pages)
 
     sentence(eager)  # kernels, allocator
-    sentence(graphed)  # meets the buckets
-    capture_missed(graphed)
     graphed_ms, profiles = {}, {}
 
     def time_call(i, fn):
@@ -132,7 +137,10 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
     def profile_call(i, fn):
         profiles[i] = profiled(fn)
 
-    sentence(graphed, time_call)
+    if GRAPHED:
+        sentence(graphed)  # meets the buckets
+        capture_missed(graphed)
+        sentence(graphed, time_call)
     sentence(eager, profile_call)
     for i, (n, final) in enumerate(calls):
         summary, wall = profiles[i]
@@ -141,7 +149,7 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
                 "batch": batch,
                 "tokens": n,
                 "final": final,
-                "graphed_ms": round(graphed_ms[i], 2),
+                "graphed_ms": round(graphed_ms[i], 2) if GRAPHED else None,
                 "eager_profiled_wall_ms": round(wall, 2),
                 **summary,
             }
@@ -159,22 +167,80 @@ def profiled(fn) -> tuple[dict, float]:
     return summarise(kernels(prof)), (time.perf_counter() - start) * 1000
 
 
-def measure_whole(flow, v, tokens, batch: int, emit) -> None:
-    """``batch`` whole clips in one eager flow call: wall time, TFLOP/s, kernels by category."""
+def measure_whole(flow, v, tokens, batch: int, emit, variants: dict) -> None:
+    """``batch`` whole clips in one eager flow call, under each of ``variants`` (name -> context
+    manager factory): wall time, TFLOP/s, largest difference to the first variant's mel, and kernels
+    by category for the first two."""
     run = functools.partial(whole_clip, flow, v, tokens, batch)
-    timed(run)  # kernels, allocator
-    wall_ms = timed(run)[1]
     work = flops(run)
-    summary, _ = profiled(run)
-    emit(
-        {
-            "whole_batch": batch,
-            "tokens": TOKENS,
-            "eager_ms": round(wall_ms, 2),
-            "tflops": round(work / wall_ms / 1e9, 1),
-            **summary,
-        }
-    )
+    first = None
+    for i, (name, variant) in enumerate(variants.items()):
+        with variant():
+            mel, _ = timed(run)  # kernels, allocator, compilation
+            wall_ms = min(timed(run)[1] for _ in range(3))
+            summary = profiled(run)[0] if i < 2 else {}
+        first = mel if first is None else first
+        emit(
+            {
+                "whole_batch": batch,
+                "variant": name,
+                "tokens": TOKENS,
+                "eager_ms": round(wall_ms, 2),
+                "tflops": round(work / wall_ms / 1e9, 1),
+                "max_abs_diff_to_first": float((mel.float() - first.float()).abs().max()),
+                **summary,
+            }
+        )
+
+
+def whole_variants(flow) -> dict:
+    """The whole-clip variants FLOW_PROFILE_WHOLE_VARIANTS names (default: all of them)."""
+    est = raw_estimator(flow)
+
+    @contextlib.contextmanager
+    def patched(**changes):
+        """The estimator called with some of its keyword arguments replaced."""
+        forward = est.forward
+        est.forward = lambda *a: forward(*a[:6], streaming=a[6], **{"all_valid": a[7], **changes})
+        try:
+            yield
+        finally:
+            del est.forward
+
+    def backend(kind):
+        return lambda: torch.nn.attention.sdpa_kernel([kind])
+
+    @contextlib.contextmanager
+    def compiled(skip_guards: bool):
+        fuse_estimator(est)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
+                yield
+        finally:
+            for module in est.modules():
+                for _, name in FUSED_PIECES:
+                    module.__dict__.pop(name, None)
+
+    backends = torch.nn.attention.SDPBackend
+
+    @contextlib.contextmanager
+    def dense_efficient():
+        with patched(all_valid=False), backend(backends.EFFICIENT_ATTENTION)():
+            yield
+
+    every = {
+        "dense_mask": lambda: patched(all_valid=False),
+        "no_mask": contextlib.nullcontext,
+        "no_mask_flash": backend(backends.FLASH_ATTENTION),
+        "no_mask_cudnn": backend(backends.CUDNN_ATTENTION),
+        "no_mask_efficient": backend(backends.EFFICIENT_ATTENTION),
+        "dense_mask_efficient": dense_efficient,
+        "no_mask_compiled": lambda: compiled(False),
+        "no_mask_compiled_skip_guards": lambda: compiled(True),
+    }
+
+    names = os.environ.get("FLOW_PROFILE_WHOLE_VARIANTS", ",".join(every)).split(",")
+    return {name: every[name] for name in names if name}
 
 
 def main() -> None:
@@ -204,7 +270,7 @@ def main() -> None:
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
     for batch in WHOLE:
-        measure_whole(flow, v, tokens, batch, emit)
+        measure_whole(flow, v, tokens, batch, emit, whole_variants(flow))
 
 
 if __name__ == "__main__":

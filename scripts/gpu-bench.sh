@@ -2,6 +2,8 @@
 # Benchmark the engine on a CUDA machine that has torch but no vLLM, from parts built by the
 # vLLM carry build (unpacked into /tmp/site) and wheels in .gpu-wheels/. Writes JSON to $OUT.
 #   scripts/gpu-bench.sh [extra python -m cosyapp.bench arguments]
+# GPU_BENCH_MPS=1 runs it under a CUDA MPS control daemon started for the run (stopped after), so the
+# vLLM engine process and this one share the GPU without time slices (measured: docs/benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -14,5 +16,12 @@ printf 'Metadata-Version: 2.1\nName: cosyapp-plugin\nVersion: 0\n' > /tmp/site/c
 printf '[vllm.general_plugins]\ncosyapp = cosyapp.engine.lm.vllm_model:register\n' \
     > /tmp/site/cosyapp_plugin-0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_CONFIGURE_LOGGING=0
+if [ "${GPU_BENCH_MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+    trap 'echo quit | nvidia-cuda-mps-control; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" || true' EXIT
+    echo "CUDA MPS control daemon started" | tee "$OUT/mps.txt"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python -m cosyapp.bench --full-size --engine vllm --workdir /tmp/bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -vE "^(INFO|DEBUG)"

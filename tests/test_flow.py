@@ -123,7 +123,7 @@ class _KnownVelocity(nn.Module):
         super().__init__()
         self.calls: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, x, mask, mu, t, spks, cond, streaming):
+    def forward(self, x, mask, mu, t, spks, cond, streaming, all_valid=False):
         self.calls.append({"x": x, "mask": mask, "mu": mu, "t": t, "spks": spks, "cond": cond})
         return (mu + spks[:, :, None] + cond + 0.5 * x + t[:, None, None]) * mask
 
@@ -156,7 +156,7 @@ def test_cfm_starts_every_item_from_the_first_columns_of_the_seed0_noise():
     class _Still(nn.Module):
         out_channels = MEL
 
-        def forward(self, x, mask, mu, t, spks, cond, streaming):
+        def forward(self, x, mask, mu, t, spks, cond, streaming, all_valid=False):
             return torch.zeros_like(x)
 
     cfm = CausalConditionalCFM(_Still())
@@ -240,3 +240,33 @@ def test_chunk_call_frames_equal_a_longer_streaming_call_that_sees_the_same_look
     longer, _ = tiny_flow.inference(**_batch([utterance], [46]), streaming=True, finalize=False)
     assert chunk_len.tolist() == [36]
     torch.testing.assert_close(chunk, longer[:, :, :36], rtol=0, atol=1e-4)
+
+
+def test_full_attention_without_padding_needs_no_mask():
+    """all_valid drops the attention mask; with every frame valid that is the same attention."""
+    torch.manual_seed(2)
+    estimator = CausalConditionalDecoder(
+        channels=(32,), attention_head_dim=16, n_blocks=2, num_mid_blocks=1, num_heads=2, static_chunk_size=8
+    ).eval()
+    g = torch.Generator().manual_seed(4)
+    x, mu, cond = (torch.randn(3, MEL, 23, generator=g) for _ in range(3))
+    spks, t = torch.randn(3, MEL, generator=g), torch.rand(3, generator=g)
+    mask = torch.ones(3, 1, 23)
+    with torch.inference_mode():
+        masked = estimator(x, mask, mu, t, spks, cond)
+        unmasked = estimator(x, mask, mu, t, spks, cond, all_valid=True)
+        # Streaming keeps its chunk mask whatever all_valid says.
+        chunked = estimator(x, mask, mu, t, spks, cond, streaming=True)
+        chunked_valid = estimator(x, mask, mu, t, spks, cond, streaming=True, all_valid=True)
+    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked, chunked_valid)
+    assert not torch.allclose(chunked, masked, atol=1e-3)
+
+
+def test_a_batch_of_one_length_matches_single_item_calls(tiny_flow):
+    items = [_utterance(4, 12, seed=s) for s in (7, 8)]
+    both, lengths = tiny_flow.inference(**_batch(items, [12, 12]))
+    assert lengths.tolist() == [24, 24]
+    for i, item in enumerate(items):
+        alone, _ = tiny_flow.inference(**_batch([item], [12]))
+        torch.testing.assert_close(both[i : i + 1], alone, rtol=1e-5, atol=1e-5)

@@ -42,11 +42,18 @@ class CausalConditionalCFM(nn.Module):
         self.rand_noise = torch.randn(shape, generator=generator, device="cpu")
 
     def forward(
-        self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False
+        self,
+        mu: Tensor,
+        mask: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool = False,
+        all_valid: bool = False,
     ) -> Tensor:
         """Integrate from the fixed noise to a mel.
 
         mu, cond (B, 80, T) right-padded; mask (B, 1, T) 1 at valid frames; spks (B, 80).
+        all_valid: every item is T frames long (no padding), which the estimator can use.
         Every item starts from rand_noise[:, :, :T_i] (its noise begins at column 0, as for batch 1).
         Returns x (B, 80, T) float32; frames beyond each item's length are meaningless.
         Raises ValueError when T exceeds the noise length.
@@ -71,7 +78,7 @@ class CausalConditionalCFM(nn.Module):
             dt = t_span[step] - t
             t_in = t.to(dtype).expand(2 * batch)
             x_in = torch.cat([x, x]).to(dtype)
-            velocity = self.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming)
+            velocity = self.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming, all_valid)
             v_cond, v_uncond = velocity.chunk(2)
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
             t = t + dt
@@ -179,7 +186,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
         frames = mu.size(2)
         mask = length_mask(h_lens, frames).unsqueeze(1).to(mu.dtype)
         cond = prompt_condition(prompt_feat, prompt_feat_len, frames).to(mu.dtype)
-        feat = self.decoder(mu, mask, spks, cond, streaming=streaming)
+        all_valid = int(h_lens.min()) == frames  # a whole batch of one length needs no attention mask
+        feat = self.decoder(mu, mask, spks, cond, streaming=streaming, all_valid=all_valid)
         mel_len = h_lens - prompt_feat_len
         assert bool((mel_len >= 0).all()), "prompt mel longer than prompt + generated tokens"
         return generated_frames(feat, prompt_feat_len, mel_len), mel_len

@@ -155,11 +155,13 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x (B, T, dim), mask (B, 1|T, T) of allowed keys, bool or additive (0 / -inf) -> (B, T, dim)."""
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """x (B, T, dim), mask (B, 1|T, T) of allowed keys, bool or additive (0 / -inf), or None for
+        every key -> (B, T, dim)."""
         # Upstream adds a -1e10 bias at blocked keys; -inf gives the same probabilities (exp
         # underflows to exactly 0 either way) and lets SDPA pick a fused kernel.
-        attended = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=mask.unsqueeze(1))
+        attn_mask = None if mask is None else mask.unsqueeze(1)
+        attended = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=attn_mask)
         return self.after_attention(x, attended)
 
     # The block's memory-bound work lives in these two methods, which the recompute and the
@@ -224,20 +226,18 @@ class CausalConditionalDecoder(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool = False,
+        all_valid: bool = False,
     ) -> Tensor:
         """Velocity at state x.
 
         x, mu, cond (B, 80, T); mask (B, 1, T) 1 at valid frames (right padding); t (B,) times;
         spks (B, 80). streaming=True restricts attention to static chunks of `static_chunk_size`
         frames from frame 0 (unlimited left context). Returns (B, out_channels, T), zero at padding.
+        all_valid: the caller knows that every frame of every row is valid (mask all ones).
         """
         t_emb = self.time_mlp(time_embedding(t, self.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        allowed = attention_mask(mask[:, 0].bool(), self.static_chunk_size if streaming else 0)
-        # Additive, in the attention's dtype, made once for every block: SDPA would turn a boolean
-        # mask into exactly this in each of them.
-        attn_mask = torch.zeros(allowed.shape, dtype=autocast_dtype(h.device) or h.dtype, device=h.device)
-        attn_mask.masked_fill_(~allowed, float("-inf"))
+        attn_mask = None if all_valid and not streaming else self._attention_bias(mask, streaming, h)
 
         resnet, blocks, conv = self.down_blocks[0]
         h = self._attend(blocks, resnet(h, mask, t_emb), attn_mask)
@@ -251,8 +251,20 @@ class CausalConditionalDecoder(nn.Module):
         h = self.final_block(h, mask)
         return self.final_proj(h * mask) * mask
 
+    def _attention_bias(self, mask: Tensor, streaming: bool, h: Tensor) -> Tensor:
+        """The additive attention mask (B, 1|T, T): 0 at allowed keys, -inf at the others.
+
+        Made once, in the attention's dtype, for every block: SDPA would turn a boolean mask into
+        exactly this in each of them. Full attention with no padded key needs none at all
+        (``all_valid``), and SDPA then runs its fused kernels without reading a mask
+        (docs/model.md §6.6): the same attention, up to the kernels' float rounding.
+        """
+        allowed = attention_mask(mask[:, 0].bool(), self.static_chunk_size if streaming else 0)
+        bias = torch.zeros(allowed.shape, dtype=autocast_dtype(h.device) or h.dtype, device=h.device)
+        return bias.masked_fill_(~allowed, float("-inf"))
+
     @staticmethod
-    def _attend(blocks: nn.ModuleList, h: Tensor, attn_mask: Tensor) -> Tensor:
+    def _attend(blocks: nn.ModuleList, h: Tensor, attn_mask: Tensor | None) -> Tensor:
         h = h.transpose(1, 2)
         for block in blocks:
             h = block(h, attn_mask)

@@ -92,11 +92,13 @@ class GraphedEstimator(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool = False,
+        all_valid: bool = False,
     ) -> Tensor:
         rows, _, frames = x.shape
         shape = (bucket(rows, self.row_buckets), bucket(frames, self.frame_buckets))
         if None in shape or shape[0] * shape[1] > self.max_cells:
-            return self.estimator(x, mask, mu, t, spks, cond, streaming)
+            return self.estimator(x, mask, mu, t, spks, cond, streaming, all_valid)
+        # A bucket pads frames and rows, so its graph always runs with the attention mask.
         key = (*shape, streaming, x.dtype, autocast_dtype(x.device), x.device)
         captured = self._graphs.get(key) or self._capture(key, (x, mask, mu, t, spks, cond), streaming)
         _fill(captured.inputs, (x, mask, mu, t, spks, cond))
