@@ -13,6 +13,7 @@ from cosyapp.engine.token2wav.flow_cache import (
     raw_estimator,
     voice_frames,
 )
+from cosyapp.engine.token2wav.incremental import as_words
 
 PAGE = 50  # frames per chunk (25 tokens x 2)
 LOOKAHEAD = 3
@@ -180,3 +181,15 @@ def test_a_full_pool_refuses_the_call_and_changes_nothing(tiny_model):
     tokens = torch.randint(0, 6561, (60,), generator=torch.Generator().manual_seed(6))
     assert IncrementalFlow(flow, tiny_pool)([FlowItem(cache, *p, tokens[:28], False)]) is None
     assert cache.frames == 0 and cache.pages == [] and tiny_pool.free_pages == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_page_writes_as_words_move_the_same_bytes(dtype):
+    store = torch.zeros(6, 3, 4, 2, 8, dtype=dtype)  # pool rows, steps, page, K/V, head_dim
+    new = torch.randn(2, 4, 3, 8).to(dtype)[:, :, 1:]  # a slice, as the keys and values of q/k/v
+    rows = torch.tensor([4, 1])
+    assert as_words(store).dtype == torch.int64 and as_words(new).dtype == torch.int64
+    as_words(store)[rows, 2] = as_words(new)
+    assert torch.equal(store[rows, 2], new) and store[:, :2].abs().sum() == 0
+    odd = torch.zeros(5, dtype=dtype)[1:]  # 4 elements from an odd offset: left as they are
+    assert as_words(odd).dtype == dtype

@@ -75,8 +75,8 @@ class KVPool:
 
     ``kv`` is (blocks, (1 + pages) * ROWS, steps, page, 2, heads, head_dim): page p's CFG row r is
     pool row ``p * ROWS + r``, and its frames hold their keys and values side by side, so per block
-    and step a call reads its past with one gather and joins it to the new frames with one
-    concatenation that the attention reads as it is; page 0 is the trash page.
+    and step a call writes its new pages and then reads past and new pages with one gather, in the
+    layout the attention reads as it is; page 0 is the trash page.
     Pages are reference-counted: a voice's prompt pages are held by the voice cache and by every
     stream that started from them.
     """
@@ -301,12 +301,20 @@ def _inputs(
     cond = F.pad(_frames(cond_all, past[:n], width), (0, 0, 0, 0, 0, rows - n))
     noise = flow.decoder.rand_noise.to(dev)  # (1, 80, max frames)
     x = _frames(noise.expand(rows, -1, -1), past, width).to(mu.dtype)
+    n_pages = -(-width // page)
+    write = torch.full((rows, n_pages), TRASH, dtype=torch.long)
+    for b, fresh in enumerate(plan.pages):
+        write[b, : len(fresh)] = torch.tensor(fresh, dtype=torch.long)
+    # Each row reads its past pages, then its new pages (written just before: the trash page where
+    # not committed, whose slots the new frames then cover), so the keys end on whole pages.
     table = torch.full((rows, past_pages), TRASH, dtype=torch.long)
     for b, item in enumerate(items):
         table[b, : len(item.cache.pages)] = torch.tensor(item.cache.pages, dtype=torch.long)
-    keys = torch.cat([length_mask(past, past_pages * page), valid], dim=1)  # committed, then new frames
-    pos = torch.arange(width, device=dev)  # new x new: chunks counted from the past's end
-    in_chunk = pos.unsqueeze(0) < ((pos // page + 1) * page).unsqueeze(1)
+    table = torch.cat([table, write], dim=1)
+    new_keys = length_mask(news, n_pages * page)
+    keys = torch.cat([length_mask(past, past_pages * page), new_keys], dim=1)  # committed, then new frames
+    pos = torch.arange(n_pages * page, device=dev)  # new x new: chunks counted from the past's end
+    in_chunk = pos.unsqueeze(0) < ((pos[:width] // page + 1) * page).unsqueeze(1)
     allowed = keys.unsqueeze(1).expand(-1, width, -1).clone()
     allowed[:, :, past_pages * page :] &= in_chunk
     allowed[n:, :, 0] = True  # dummy rows attend to one key, so no softmax row is empty
@@ -319,10 +327,6 @@ def _inputs(
     for b, item in enumerate(items):
         if item.cache.tails is not None:
             tails[:, b::rows] = item.cache.tails.to(dtype)
-    n_pages = -(-width // page)
-    write = torch.full((rows, n_pages), TRASH, dtype=torch.long)
-    for b, fresh in enumerate(plan.pages):
-        write[b, : len(fresh)] = torch.tensor(fresh, dtype=torch.long)
     return CallInputs(
         x=x,
         mask=valid.unsqueeze(1).to(mu.dtype),

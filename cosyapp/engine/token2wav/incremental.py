@@ -45,8 +45,9 @@ class CallInputs:
     mu: Tensor  # (B, 80, W)
     spks: Tensor  # (B, 80)
     cond: Tensor  # (B, 80, W)
-    read_rows: Tensor  # (ROWS*B*Pp,) long: pool rows of each batch entry's pages, then trash rows
-    attn_mask: Tensor  # (ROWS*B, 1, W, Pp*page + W) additive: 0 where allowed, -inf where not
+    read_rows: Tensor  # (ROWS*B*(Pp+Wp),) long: each batch entry's Pp past pages (trash after its
+    # own), then its Wp = ceil(W / page) new pages (written first; trash where not committed)
+    attn_mask: Tensor  # (ROWS*B, 1, W, (Pp+Wp)*page) additive: 0 where allowed, -inf where not
     tails: Tensor  # (steps, ROWS*B, channels, TAIL) inputs before each stream's first new frame
     keep: Tensor  # (B,) long: new frames each stream commits
     write_rows: Tensor  # (ROWS*B*ceil(W / page),) long: the pool row of each new page (trash: none)
@@ -84,22 +85,37 @@ class _StepIO:
         return full
 
     def keys_values(self, new: Tensor) -> tuple[Tensor, Tensor]:
-        """New keys and values (ROWS*B, W, 2, H, D) -> keys, values (ROWS*B, H, Pp*page + W, D) with
-        each stream's committed frames in front; writes the new frames' pages (uncommitted ones go
-        to the trash page). One gather, one scatter and one concatenation for both."""
+        """New keys and values (ROWS*B, W, 2, H, D) -> keys, values (ROWS*B, H, (Pp + Wp) * page, D):
+        each stream's committed pages, then its Wp = ceil(W / page) new pages, whose first W frames are
+        the new ones (the rest are masked). Writes the new frames' pages first (uncommitted ones go to
+        the trash page), then reads all of them with one gather into the layout attention reads, and
+        puts the new frames over the new pages' slots: one pass over the past instead of a gather and
+        a concatenation."""
         layer, step = self.block, self.step
         self.block += 1
         store = self.kv[layer]  # (pool rows, steps, page, 2, H, D)
         rb, width = new.shape[:2]
         page = store.size(2)
-        past = store[self.inputs.read_rows, step]  # read before the write: (ROWS*B*Pp, page, 2, H, D)
-        past = past.view(rb, -1, *past.shape[2:]).to(new.dtype)
         n_pages = -(-width // page)
         paged = new if width == n_pages * page else F.pad(new, (0, 0, 0, 0, 0, 0, 0, n_pages * page - width))
-        paged = paged.reshape(rb * n_pages, page, *new.shape[2:])
-        store[self.inputs.write_rows, step] = paged.to(store.dtype)
-        both = torch.cat([past, new], dim=1)
+        pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
+        as_words(store)[self.inputs.write_rows, step] = as_words(pages)
+        both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, 2, H, D)
+        both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
+        start = both.size(1) - n_pages * page
+        both[:, start : start + width] = new  # the trash page's slots hold other streams' frames
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+
+
+def as_words(t: Tensor) -> Tensor:
+    """``t`` seen as 8-byte words along its last axis where its rows allow: the same bytes, which an
+    indexed write then moves 8 at a time instead of one element (2 bytes in fp16) at a time."""
+    ratio = 8 // t.element_size()
+    if ratio < 2 or t.size(-1) % ratio or t.stride(-1) != 1 or t.storage_offset() % ratio:
+        return t
+    if any(stride % ratio for stride in t.stride()[:-1]):
+        return t
+    return t.view(torch.int64)
 
 
 class IncrementalEstimator:
