@@ -17,7 +17,8 @@ FLOW_PROFILE_WHOLE=23,64 also profiles whole clips (the recompute path, full att
 the worker runs calls past the graphs' largest bucket) for that many requests at once: wall time,
 TFLOP/s (torch's FlopCounterMode) and the same kernel categories, under each variant of
 FLOW_PROFILE_WHOLE_VARIANTS (default all: the dense attention mask against none, each SDPA backend,
-the estimator's pieces compiled as --compile-flow does, with and without guard evaluation).
+the estimator's pieces compiled as --compile-flow does, with and without guard evaluation, and the
+whole estimator step compiled as one graph).
 """
 
 import collections
@@ -221,6 +222,15 @@ def whole_variants(flow) -> dict:
                 for _, name in FUSED_PIECES:
                     module.__dict__.pop(name, None)
 
+    @contextlib.contextmanager
+    def compiled_forward():
+        """The whole estimator step as one compiled graph (one guard check per Euler step)."""
+        est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True)
+        try:
+            yield
+        finally:
+            del est.forward
+
     backends = torch.nn.attention.SDPBackend
 
     @contextlib.contextmanager
@@ -237,6 +247,7 @@ def whole_variants(flow) -> dict:
         "dense_mask_efficient": dense_efficient,
         "no_mask_compiled": lambda: compiled(False),
         "no_mask_compiled_skip_guards": lambda: compiled(True),
+        "no_mask_compiled_forward": compiled_forward,
     }
 
     names = os.environ.get("FLOW_PROFILE_WHOLE_VARIANTS", ",".join(every)).split(",")
