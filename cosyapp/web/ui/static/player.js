@@ -91,7 +91,10 @@ const events = {
     if (state === "playing" || state === "buffering") setState(buffering ? "buffering" : "playing");
     showPosition();
   },
+  // The output's messages cross a thread, so one sent before a stop can arrive after it: a stopped
+  // (or restarted, idle) player keeps its state.
   underrun(target) {
+    if (state !== "playing" && state !== "buffering") return;
     measured.underruns += 1;
     measured.target = target;
     setState("buffering");
@@ -99,7 +102,7 @@ const events = {
   },
   ended(position) {
     played = position;
-    setState("ended");
+    if (state !== "stopped" && state !== "idle") setState("ended");
     showPosition();
   },
 };
