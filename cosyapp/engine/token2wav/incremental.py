@@ -99,7 +99,10 @@ class _StepIO:
         n_pages = -(-width // page)
         paged = new if width == n_pages * page else F.pad(new, (0, 0, 0, 0, 0, 0, 0, n_pages * page - width))
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
-        as_words(store)[self.inputs.write_rows, step] = as_words(pages)
+        into, words = as_words(store), as_words(pages)
+        if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
+            into, words = store, pages
+        into[self.inputs.write_rows, step] = words
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, 2, H, D)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
         start = both.size(1) - n_pages * page
