@@ -27,6 +27,7 @@ CHROMIUM_ARGS = [
     "--autoplay-policy=no-user-gesture-required",
 ]
 DEBIAN_CHROMIUM = "/usr/bin/chromium"
+OUTPUT_MADE = f"Boolean(document.querySelector({PLAYER!r}).dataset.output)"
 FINISHED = f"""() => {{
     const player = document.querySelector({PLAYER!r});
     const error = document.querySelector('.toast-body.error');
@@ -72,9 +73,10 @@ class BrowserDriver:
         await page.wait_for_function(
             f"() => document.querySelector({PLAYER!r}).cosyPlayer !== undefined", timeout=60_000
         )
-        # the page's session id arrives with demo.load; the voice is typed as an id (custom values allowed)
-        await page.wait_for_function("() => document.querySelector('#voice input') !== null")
-        await page.wait_for_timeout(300)
+        # the page's session id arrives with demo.load, which marks <html> when done; the player has
+        # made its audio output; the voice is typed as an id (custom values allowed)
+        ready = f"() => document.documentElement.dataset.cosySession === 'open' && {OUTPUT_MADE}"
+        await page.wait_for_function(ready, timeout=60_000)
         voice = page.locator("#voice input")
         await voice.fill(self.voice_id)
         await voice.press("Enter")

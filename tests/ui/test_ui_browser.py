@@ -16,11 +16,15 @@ STATS = re.compile(r"audio \*{0,2}([\d.]+) s\*{0,2} \(([\d,]+) samples at ([\d,]
 
 
 def open_app(page, ui, query: str = ""):
+    """Load the app and return once demo.load has opened its session (it fills the session id and
+    the voice list; until then a saved voice would go to no session). The page marks <html> then,
+    so no fixed sleep guesses how long that takes on a loaded machine. The page's console errors
+    are kept in ``page.console_errors`` for failure messages."""
+    page.console_errors = []
+    page.on("console", lambda message: message.type == "error" and page.console_errors.append(message.text))
     page.goto(ui.url + query)
+    page.wait_for_function("() => document.documentElement.dataset.cosySession === 'open'", timeout=60_000)
     page.wait_for_selector("#live-stats")
-    # demo.load fills the session id; until then a saved voice would go to no session
-    page.wait_for_function("() => document.querySelector('#voice input') !== null")
-    page.wait_for_timeout(500)
 
 
 def use_recording(page, path: Path, transcript: str, usable: bool = True):

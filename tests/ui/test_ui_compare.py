@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+from test_ui_browser import open_app
 
 from cosyapp.web.ui.compare import MAX_ROWS
 
@@ -36,10 +37,7 @@ def client(ui):
 
 
 def open_compare(page, ui) -> None:
-    page.goto(ui.url)
-    page.wait_for_selector("#live-stats")
-    page.wait_for_function("() => document.querySelector('#voice input') !== null")
-    page.wait_for_timeout(500)
+    open_app(page, ui)
     page.locator("#compare").get_by_text("Compare voices").click()
     page.locator("#compare-go").wait_for(state="visible")
 

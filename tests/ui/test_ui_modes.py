@@ -9,19 +9,13 @@ import pytest
 import soundfile as sf
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
+from test_ui_browser import open_app
 
 from cosyapp.frontend.source import source_tokens
 
 SOURCE = "assets/voices/en-espeak-us.wav"
 STATS = re.compile(r"audio ([\d.]+) s \(([\d,]+) samples at ([\d,]+) Hz\)")
 SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples per source speech token
-
-
-def open_app(page, ui):
-    page.goto(ui.url)
-    page.wait_for_selector("#live-stats")
-    page.wait_for_function("() => document.querySelector('#voice input') !== null")
-    page.wait_for_timeout(500)
 
 
 def pick_mode(page, label: str) -> None:

@@ -9,6 +9,8 @@ import io
 import numpy as np
 import soundfile as sf
 from gradio.utils import diff
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from test_ui_browser import open_app
 
 from cosyapp.codec import pcm16
 from cosyapp.web.ui.player import PlayerFeed
@@ -24,11 +26,11 @@ NO_WORKLET = "Object.defineProperty(BaseAudioContext.prototype, 'audioWorklet', 
 
 
 def open_player(page, ui):
+    """The app with its session open and the player's audio output made (the worklet module loaded,
+    or the fallback), so a Generate click is timed and heard from the first chunk."""
     page.add_init_script("window.cosyappCapturePlayback = true")
-    page.goto(ui.url)
-    page.wait_for_selector("#live-stats")
-    page.wait_for_function("() => document.querySelector('#voice input') !== null")
-    page.wait_for_timeout(500)
+    open_app(page, ui)
+    page.wait_for_function("(sel) => document.querySelector(sel)?.dataset.output", arg=PLAYER, timeout=30_000)
 
 
 def generate(page, text: str, seed: int) -> None:
@@ -42,11 +44,21 @@ def report(page) -> dict:
 
 
 def wait_for_state(page, *states: str, timeout: float = 60_000) -> None:
-    page.wait_for_function(
-        "([sel, states]) => states.includes(document.querySelector(sel).dataset.state)",
-        arg=[PLAYER, list(states)],
-        timeout=timeout,
-    )
+    """Wait until the player is in one of ``states``; a timeout fails with what the player saw (its
+    report: state, chunks, audio context) and the page's console errors."""
+    try:
+        page.wait_for_function(
+            "([sel, states]) => states.includes(document.querySelector(sel).dataset.state)",
+            arg=[PLAYER, list(states)],
+            timeout=timeout,
+        )
+    except PlaywrightTimeout:
+        seen = report(page)
+        seen["arrivals"] = [[None if at is None else round(at), n] for at, n in seen["arrivals"]]
+        raise AssertionError(
+            f"the player never reached {states} in {timeout / 1000:.0f} s: {seen}; "
+            f"console errors: {getattr(page, 'console_errors', [])}"
+        ) from None
 
 
 def played_samples(page) -> np.ndarray:
@@ -77,11 +89,12 @@ def test_the_player_starts_before_the_stream_ends(page, ui):
     generate(page, LONG_TEXT, seed=1)
     wait_for_state(page, "ended")
     seen = report(page)
+    assert seen["clickToSound"] is not None and seen["serverTtfa"] is not None, seen
     arrivals = [round(at) for at, _ in seen["arrivals"]]
     print(f"click to sound {seen['clickToSound']:.0f} ms, TTFA {seen['serverTtfa']:.0f} ms, at {arrivals}")
-    assert len(arrivals) >= 3
-    assert seen["clickToSound"] < arrivals[-1]  # heard while later chunks were still being made
-    assert 0 < seen["serverTtfa"] < seen["clickToSound"]
+    assert len(arrivals) >= 3, seen
+    assert seen["clickToSound"] < arrivals[-1], seen  # heard while later chunks were still being made
+    assert 0 < seen["serverTtfa"] < seen["clickToSound"], seen
 
 
 def test_the_page_plays_every_sample_once_in_order(page, ui):

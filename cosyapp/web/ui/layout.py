@@ -281,6 +281,11 @@ def build_demo(service: Service) -> gr.Blocks:
             return key, key, gr.update(choices=handlers.voice_choices(key))
 
         opened = demo.load(open_session, browser, [browser, session, voice], queue=False, api_name=False)
+        # The page says when its session is open (what a saved voice is filed under, the voice list):
+        # <html data-cosy-session="open">, for scripts and tests that drive the page.
+        opened.then(
+            None, js="() => { document.documentElement.dataset.cosySession = 'open'; }", api_name=False
+        )
         gallery_events = [opened, saved, deleted]
         wire_gallery(Gallery(service, handlers), gallery, voice, session, gallery_events, voice_jobs)
 

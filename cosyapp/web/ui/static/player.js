@@ -227,7 +227,10 @@ function openAudio() {
       });
       node.connect(gain);
       return workletOutput(node);
-    })().then((made) => (output = made));
+    })().then((made) => {
+      output = made;
+      root.dataset.output = made.kind; // ready: a Generate click from now on is heard at once
+    });
   }
   return ready;
 }
@@ -380,7 +383,17 @@ function base64Of(chunks) {
 
 root.cosyPlayer = {
   // what happened in the current run: the bench's and the tests' window into the player
-  report: () => ({ run, state, received, played, done: ended, arrivals, output: output && output.kind, ...measured }),
+  report: () => ({
+    run,
+    state,
+    received,
+    played,
+    done: ended,
+    arrivals,
+    output: output && output.kind,
+    context: ctx && ctx.state,
+    ...measured,
+  }),
   // the 16-bit samples the worklet wrote to the output, or the fallback scheduled, base64
   // (window.cosyappCapturePlayback = true)
   captured: () => base64Of(captured),
