@@ -24,6 +24,7 @@ whole estimator step compiled as one graph).
 import collections
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -202,7 +203,13 @@ def whole_variants(flow) -> dict:
     def patched(**changes):
         """The estimator called with some of its keyword arguments replaced."""
         forward = est.forward
-        est.forward = lambda *a: forward(*a[:6], streaming=a[6], **{"all_valid": a[7], **changes})
+        signature = inspect.signature(forward)
+
+        def replaced(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            return forward(**{**bound.arguments, **changes})
+
+        est.forward = replaced
         try:
             yield
         finally:

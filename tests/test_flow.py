@@ -265,7 +265,18 @@ def test_full_attention_without_padding_needs_no_mask():
 
 def test_a_batch_of_one_length_matches_single_item_calls(tiny_flow):
     items = [_utterance(4, 12, seed=s) for s in (7, 8)]
-    both, lengths = tiny_flow.inference(**_batch(items, [12, 12]))
+    seen = []
+    hook = tiny_flow.decoder.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(kwargs["all_valid"]), with_kwargs=True
+    )
+    try:
+        both, lengths = tiny_flow.inference(**_batch(items, [12, 12]))
+        tiny_flow.inference(**_batch(items, [12, 11]))  # padded: the decoder keeps its mask
+        tiny_flow.inference(**_batch(items, [12, 12]), streaming=True, finalize=False)
+        tiny_flow.inference(**_batch(items, [12, 10]), streaming=True, finalize=False)
+    finally:
+        hook.remove()
+    assert seen == [True, False, True, False]
     assert lengths.tolist() == [24, 24]
     for i, item in enumerate(items):
         alone, _ = tiny_flow.inference(**_batch([item], [12]))

@@ -179,6 +179,10 @@ class CausalMaskedDiffWithXvec(nn.Module):
         if not finalize and bool((token_len < self.pre_lookahead_len).any()):
             raise ValueError(f"a chunk call (finalize=False) needs at least {self.pre_lookahead_len} tokens")
         tokens, lengths = join_prompt(prompt_token, prompt_token_len, token, token_len)
+        # Equal token counts give equal frame counts (h_lens), so a batch of one length has no padded
+        # frame and its estimator needs no attention mask. Read here, before the encoder runs, so the
+        # decoder's launches do not wait for the encoder to finish.
+        all_valid = bool((lengths == tokens.size(1)).all())
         spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))
         x = self.input_embedding(tokens.clamp(min=0)) * length_mask(lengths, tokens.size(1)).unsqueeze(-1)
         h, h_lens = self.encoder(x, lengths, streaming=streaming, finalize=finalize)
@@ -186,7 +190,6 @@ class CausalMaskedDiffWithXvec(nn.Module):
         frames = mu.size(2)
         mask = length_mask(h_lens, frames).unsqueeze(1).to(mu.dtype)
         cond = prompt_condition(prompt_feat, prompt_feat_len, frames).to(mu.dtype)
-        all_valid = int(h_lens.min()) == frames  # a whole batch of one length needs no attention mask
         feat = self.decoder(mu, mask, spks, cond, streaming=streaming, all_valid=all_valid)
         mel_len = h_lens - prompt_feat_len
         assert bool((mel_len >= 0).all()), "prompt mel longer than prompt + generated tokens"
