@@ -5,6 +5,8 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
+from cosyapp.bench.resources import ResourceSampler, busiest
 from cosyapp.bench.stats import playback_underruns
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +127,62 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert level["gpu_peak_allocated_gb"] is None  # a CPU run
         # No CUDA graphs on a CPU: nothing runs eagerly for want of one, nothing is captured.
         assert (stages["eager_flow_calls"], stages["graph_captures"], stages["graph_capture_s"]) == (0, 0, 0)
+
+
+def test_each_level_says_which_threads_used_the_cpu(smoke):
+    result, _, _ = smoke
+    for level in result["levels"]:
+        used = level["resources"]
+        threads = used["threads_cpu_s"]
+        assert used["wall_s"] == pytest.approx(level["wall_s"], abs=0.05)
+        # the flow and HiFT ran on the worker's thread (no HiFT thread of its own on a CPU)
+        assert threads["token2wav"] > 0 and "token2wav-hift" not in threads
+        # each thread's time and the process's are counted in 10 ms ticks
+        assert 0 < sum(threads.values()) <= used["process_cpu_s"] + 0.01 * len(threads)
+        assert used["gpu_util_mean"] is None and used["gpu_util_samples"] == []  # a CPU run
+
+
+SPIN_THEN_WAIT = """
+import sys, time
+end = time.process_time() + 0.5
+while time.process_time() < end:
+    pass
+print("spun", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_resources_count_a_threads_and_a_child_processs_own_cpu_time():
+    spun, release = threading.Event(), threading.Event()
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    sampler = ResourceSampler()
+    sampler.start()
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+    child = subprocess.Popen([sys.executable, "-c", SPIN_THEN_WAIT], **pipes)
+    spinner = threading.Thread(target=spin, args=(0.5,), name="bench-test-spin")
+    spinner.start()
+    try:
+        assert spun.wait(60) and child.stdout.readline() == b"spun\n"
+        used = sampler.stop()["resources"]  # while both still run (an ended thread or child is not seen)
+    finally:
+        release.set()
+        spinner.join()
+        child.communicate(b"", timeout=60)
+    threads, children = used["threads_cpu_s"], used["children_cpu_s"]
+    # the kernel counts thread time in clock ticks (10 ms): 0.5 s of spinning reads 0.49 to 0.51
+    assert 0.47 <= threads["bench-test-spin"] < 0.5 + used["wall_s"]
+    assert threads["bench-test-spin"] <= used["process_cpu_s"]
+    # started after the sampler: all its CPU time is the level's
+    assert len(children) == 1 and next(iter(children)).endswith(f"({child.pid})")
+    assert next(iter(children.values())) >= 0.47
+    assert busiest(used, 1)[0][0] in ("bench-test-spin", *children)
 
 
 def test_the_engine_log_is_written_beside_the_json(smoke):

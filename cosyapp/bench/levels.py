@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from cosyapp.bench.load import TextSet
+from cosyapp.bench.resources import ResourceSampler
 from cosyapp.bench.stats import (
     BatchSampler,
     RequestResult,
@@ -33,6 +34,7 @@ ENGINE_FIELDS = (
     "gpu_peak_allocated_gb",
     "gpu_device_used_gb",
     "worker",
+    "resources",
 )
 
 
@@ -74,17 +76,21 @@ async def measure(
         results = await driver.send(text.text, streaming, seeds, on_done)
         return level | summarize(results, time.perf_counter() - start) | dict.fromkeys(ENGINE_FIELDS)
     sampler = BatchSampler(pipeline)
+    resources = ResourceSampler()
     before = engine_counters(pipeline)
     reset_gpu_peak()
     sampler.start()
+    resources.start()
     start = time.perf_counter()
     try:
         results = await driver.send(text.text, streaming, seeds, on_done)
     finally:
         wall = time.perf_counter() - start
+        used = resources.stop()
         await sampler.stop()
     stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
-    return level | summarize(results, wall) | sampler.report() | stages | gpu_memory() | _worker(pipeline)
+    engine = sampler.report() | stages | gpu_memory() | _worker(pipeline) | used
+    return level | summarize(results, wall) | engine
 
 
 def _worker(pipeline: Pipeline) -> dict:

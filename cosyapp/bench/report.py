@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from cosyapp.bench.resources import busiest
+
 PACKAGES = ("torch", "vllm", "transformers", "gradio", "gradio_client", "httpx", "cosyapp")
 
 
@@ -94,6 +96,12 @@ def row(level: dict) -> str:
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "
                 f"({stages['graph_capture_s']:.2f} s)"
             )
+    used = level.get("resources")
+    if used:
+        gpu = "-" if used["gpu_util_mean"] is None else f"{100 * used['gpu_util_mean']:.0f} %"
+        cpu = ", ".join(f"{name} {100 * share:.0f} %" for name, share in busiest(used))
+        cores = used["process_cpu_s"] / used["wall_s"]
+        parts.append(f"GPU busy {gpu}  CPU: process {cores:.2f} cores; {cpu}")
     if "click_to_sound_p50" in level:
         parts.append(
             f"click to sound p50/p99 {_ms(level['click_to_sound_p50'])}/{_ms(level['click_to_sound_p99'])}"
