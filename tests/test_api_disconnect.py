@@ -21,9 +21,15 @@ STOPS_WITHIN_S = 1.0
 
 
 def endless_service(tmp_path_factory):
-    """A service on the endless tiny model (the other tests of API work import it from here)."""
+    """A service on the endless tiny model (the other tests of API work import it from here).
+
+    Its own data folder: in the shared one, voices that earlier tests saved have previews of the demo
+    model, which a service on another model makes again in the background whenever its engines are
+    idle (previews.py), and on this model each would decode until its token limit, beside the work
+    these tests watch stop."""
     folder = write_random_model(tmp_path_factory.mktemp("endless") / "model", seed=2, endless=True)
-    return make_service(tmp_path_factory, model=str(folder), demo=False)
+    data = tmp_path_factory.mktemp("endless-data")
+    return make_service(tmp_path_factory, model=str(folder), demo=False, data_dir=data)
 
 
 @pytest.fixture(scope="module")
