@@ -52,6 +52,10 @@ class ServeOptions:
         -1 (their kernels are scheduled before the LM's when both wait).
     lm_in_process: step vLLM's engine core on a thread of this process (engine/lm/inproc.py), so its
         kernels overlap the flow's instead of taking turns with them; False: its own process.
+    lm_stream_interval: speech tokens vLLM gathers into each output it hands this process (its
+        ``stream_interval``; a request's first and last tokens come at once): 1 hands on every token
+        as decoded; more cuts the host work per token (an output object, a queue and the wake-up of
+        each consumer) at many streams, and a chunk waits at most that many - 1 decode steps more.
 
     Raises OptionError for a value outside its range.
     """
@@ -78,6 +82,7 @@ class ServeOptions:
     overlap_hift: bool = True
     token2wav_priority: int = 0
     lm_in_process: bool = False
+    lm_stream_interval: int = 1
 
     def __post_init__(self) -> None:
         rules = [
@@ -100,6 +105,7 @@ class ServeOptions:
             ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
+            ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),
         ]
         for name, ok, rule in rules:

@@ -40,6 +40,7 @@ class Settings:
     chunked_final: bool = DEFAULTS.chunked_final
     compile_flow: bool = DEFAULTS.compile_flow
     lm_in_process: bool = DEFAULTS.lm_in_process
+    lm_stream_interval: int = DEFAULTS.lm_stream_interval
     token2wav_priority: int = DEFAULTS.token2wav_priority
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
@@ -193,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_flag("LM_IN_PROCESS"),
         help="step vLLM's engine core on a thread of this process, so the LM's and the flow's GPU "
         "kernels overlap instead of taking turns (default: %(default)s; env COSYAPP_LM_IN_PROCESS)",
+    )
+    add(
+        "--lm-stream-interval",
+        type=int,
+        default=int(_env("LM_STREAM_INTERVAL", defaults.lm_stream_interval)),
+        help="speech tokens vLLM gathers into each output to this process: more cuts the host work "
+        "per token at many streams, and a chunk waits up to that many - 1 decode steps more "
+        "(default: %(default)s; env COSYAPP_LM_STREAM_INTERVAL)",
     )
     add(
         "--token2wav-priority",

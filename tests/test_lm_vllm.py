@@ -7,6 +7,7 @@ against the PyTorch LM), and a copy whose head makes EOS certain once allowed an
 """
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -464,3 +465,48 @@ class TestStopControlledModel:
         assert stats.tokens_generated - before == 40
         assert max(seen) == 4
         assert stats.running == 0
+
+
+@pytest.fixture(scope="class")
+def interval_engines(loop, stop_controlled_model, tmp_path_factory):
+    """Engines on the stop-controlled model in their own process: stream interval 1, then 4."""
+    model = stop_controlled_model
+    export = tmp_path_factory.mktemp("export")
+    folder = export_for_vllm(model.lm, model.model_dir, export, dtype=torch.float32)
+    engines = []
+    try:
+        for interval in (1, 4):
+            engine = VllmSpeechLM(
+                folder, model.lm.sampling, max_model_len=MAX_MODEL_LEN, stream_interval=interval, **ENGINE
+            )
+            engines.append(engine)
+            loop.run_until_complete(engine.start())
+        yield engines
+    finally:
+        for engine in engines:
+            loop.run_until_complete(engine.shutdown())
+
+
+@requires_vllm
+class TestStreamInterval:
+    def test_gathered_outputs_carry_the_same_tokens_on_the_intervals_grid(
+        self, interval_engines, loop, stop_controlled_model
+    ):
+        lm = stop_controlled_model.lm
+        n = 30  # the stop-controlled model ends every request at min_tokens
+
+        async def deltas(engine: VllmSpeechLM) -> list[list[list[int]]]:
+            async def one(i: int) -> list[list[int]]:
+                request = LMRequest(f"interval-{i}", prompt(lm, seed=70 + i), n, n, seed=300 + i)
+                return [chunk async for chunk in engine.generate(request)]
+
+            return await asyncio.gather(*(one(i) for i in range(3)))
+
+        every, gathered = (loop.run_until_complete(deltas(engine)) for engine in interval_engines)
+        for each, few in zip(every, gathered, strict=True):
+            assert sum(each, []) == sum(few, []) and len(sum(few, [])) == n  # the same draws
+            # The first token comes alone, then every 4th; an output the consumer took late merges
+            # with the next, so each one ends on that grid (or at the request's end).
+            ends = list(itertools.accumulate(len(chunk) for chunk in few))
+            assert all(end == n or end % 4 == 1 for end in ends), ends
+            assert len(few) <= 1 + -(-(n - 1) // 4)

@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's engine core on a thread of this process (as serve's flag; default: %(default)s)",
     )
     add(
+        "--lm-stream-interval",
+        type=int,
+        default=DEFAULTS.lm_stream_interval,
+        help="speech tokens per vLLM output to this process (as serve's flag; default: %(default)s)",
+    )
+    add(
         "--variant",
         dest="variants",
         action="append",
@@ -195,6 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             chunked_final=args.chunked_final,
             compile_flow=args.compile_flow,
             lm_in_process=args.lm_in_process,
+            lm_stream_interval=args.lm_stream_interval,
             slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:

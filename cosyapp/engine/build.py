@@ -51,6 +51,7 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
         enforce_eager=not on_gpu,  # compiling and CUDA graphs pay off only on a GPU
         kv_cache_memory_bytes=options.kv_cache_memory_bytes if not on_gpu else None,
         in_process=options.lm_in_process,
+        stream_interval=options.lm_stream_interval,
     )
 
 

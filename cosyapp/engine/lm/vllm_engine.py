@@ -147,7 +147,8 @@ class VllmSpeechLM:
     otherwise vLLM takes ``gpu_memory_utilization`` of the GPU. ``max_model_len`` (prompt + generated
     tokens) defaults to the backbone's. ``enforce_eager`` skips torch.compile and CUDA graphs (faster
     start, slower steps). ``in_process``: step vLLM's engine core on a thread of this process
-    (inproc.py) instead of in its own process.
+    (inproc.py) instead of in its own process. ``stream_interval``: speech tokens vLLM gathers into
+    each output it hands on (ServeOptions.lm_stream_interval).
     """
 
     def __init__(
@@ -162,6 +163,7 @@ class VllmSpeechLM:
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         in_process: bool = DEFAULTS.lm_in_process,
+        stream_interval: int = DEFAULTS.lm_stream_interval,
     ):
         self.model_dir = model_dir
         self.sampling = sampling
@@ -172,6 +174,7 @@ class VllmSpeechLM:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = max_model_len
         self.in_process = in_process
+        self.stream_interval = stream_interval
         self.hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
         self._engine = None
         self._start_lock = asyncio.Lock()
@@ -218,6 +221,7 @@ class VllmSpeechLM:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            stream_interval=self.stream_interval,
             disable_log_stats=False,  # the scheduler's stats feed stats()
         )
         self._batch_stats = BatchStats()
