@@ -221,8 +221,9 @@ class VllmSpeechLM:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
-            stream_interval=self.stream_interval,
             disable_log_stats=False,  # the scheduler's stats feed stats()
+            # vLLM's default is 1; passed only when set, so an engine without the field still starts
+            **({"stream_interval": self.stream_interval} if self.stream_interval != 1 else {}),
         )
         self._batch_stats = BatchStats()
         stat_loggers = [batch_stats_logger(self._batch_stats)]
