@@ -15,7 +15,7 @@ import torch
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
 from cosyapp.bench.resources import ResourceSampler, busiest
-from cosyapp.bench.stats import playback_underruns
+from cosyapp.bench.stats import FIRST_CHUNK_STAGES, playback_underruns
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -127,6 +127,21 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert level["gpu_peak_allocated_gb"] is None  # a CPU run
         # No CUDA graphs on a CPU: nothing runs eagerly for want of one, nothing is captured.
         assert (stages["eager_flow_calls"], stages["graph_captures"], stages["graph_capture_s"]) == (0, 0, 0)
+
+
+def test_the_first_chunks_stages_add_up_to_its_ttfa(smoke):
+    result, _, _ = smoke
+    for level in result["levels"]:
+        stages = level["first_chunk_p50"]
+        if level["driver"] != "pipeline":  # over HTTP the client sees no stages
+            assert stages is None
+            continue
+        assert list(stages) == [stage for stage, _, _ in FIRST_CHUNK_STAGES]
+        assert all(seconds >= 0 for seconds in stages.values()), stages
+        assert stages["flow"] > 0 and stages["hift"] > 0 and stages["lm_first_tokens"] > 0
+        if level["clients"] == 1:  # one request: its stages telescope to its TTFA (two clocks)
+            assert sum(stages.values()) == pytest.approx(level["ttfa_p50"], abs=0.002)
+        assert stages["lm_chunk_tokens"] > 0  # the chunk's (or, whole, every) token after the first
 
 
 def test_each_level_says_which_threads_used_the_cpu(smoke):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from cosyapp.bench.stats import RequestResult
+from cosyapp.bench.stats import RequestResult, first_chunk_stages
 from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
 from cosyapp.frontend.voices import Voice
 
@@ -59,11 +59,13 @@ class PipelineDriver:
 
     async def _request(self, request: SynthesisRequest) -> RequestResult:
         result = RequestResult()
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
         rate = self.pipeline.sample_rate
         try:
             async for chunk in self.pipeline.stream(request):
                 result.chunks.append((time.perf_counter() - start, len(chunk.samples) / rate))
+                if chunk.times is not None and result.first_chunk is None:  # the first sentence's
+                    result.first_chunk = first_chunk_stages(chunk.times, started, time.monotonic())
         except BusyError as e:  # the admission limits: a result of the load, not a failure of the bench
             result.error = f"BusyError: {e}"
         result.total = time.perf_counter() - start

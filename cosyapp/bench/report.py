@@ -96,6 +96,9 @@ def row(level: dict) -> str:
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "
                 f"({stages['graph_capture_s']:.2f} s)"
             )
+    first = level.get("first_chunk_p50")
+    if first:
+        parts.append("first chunk p50 ms: " + ", ".join(f"{stage} {_ms(s)}" for stage, s in first.items()))
     used = level.get("resources")
     if used:
         gpu = "-" if used["gpu_util_mean"] is None else f"{100 * used['gpu_util_mean']:.0f} %"

@@ -13,6 +13,28 @@ from cosyapp.engine.token2wav.stats import Token2WavStats
 
 STAGES = ("lm", "flow", "hift")
 QUANTILES = (50, 90, 99)
+# The first chunk's time to first audio, stage by stage: (stage, from stamp, to stamp) of
+# Stream.first_chunk_times, with the request's start before them and its receipt after; the stages
+# add up to the TTFA. before_lm: text, admission, the LM's prompt; lm_first_tokens: prefill;
+# lm_chunk_tokens: decoding the rest of the chunk's tokens; flow_queue / hift_queue: waiting for
+# the worker's stage; delivery: back to the event loop and the client.
+FIRST_CHUNK_STAGES = (
+    ("before_lm", "start", "run"),
+    ("lm_first_tokens", "run", "first_tokens"),
+    ("lm_chunk_tokens", "first_tokens", "submitted"),
+    ("flow_queue", "submitted", "flow_start"),
+    ("flow", "flow_start", "flow_end"),
+    ("hift_queue", "flow_end", "hift_start"),
+    ("hift", "hift_start", "hift_end"),
+    ("delivery", "hift_end", "received"),
+)
+
+
+def first_chunk_stages(times: dict[str, float], start: float, received: float) -> dict[str, float]:
+    """Seconds per FIRST_CHUNK_STAGES from a first chunk's stamps and the request's start and receipt
+    (all time.monotonic)."""
+    at = {**times, "start": start, "received": received}
+    return {stage: at[end] - at[begin] for stage, begin, end in FIRST_CHUNK_STAGES}
 
 
 @dataclass
@@ -26,6 +48,7 @@ class RequestResult:
     total: float | None = None
     error: str | None = None
     player: dict | None = None
+    first_chunk: dict[str, float] | None = None  # seconds per FIRST_CHUNK_STAGES (in-process driver)
 
     @property
     def ttfa(self) -> float | None:
@@ -76,8 +99,17 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "underrun_events": sum(events for events, _ in underruns),
         "streams_with_underruns": sum(1 for events, _ in underruns if events),
         "stall_s_total": sum(stall for _, stall in underruns),
+        "first_chunk_p50": first_chunk_summary(done),
         **player_summary(done),
     }
+
+
+def first_chunk_summary(results: list[RequestResult]) -> dict[str, float] | None:
+    """The median seconds of each first-chunk stage; None where the driver saw no stages (HTTP)."""
+    seen = [r.first_chunk for r in results if r.first_chunk is not None]
+    if not seen:
+        return None
+    return {stage: percentile([s[stage] for s in seen], 0.5) for stage, _, _ in FIRST_CHUNK_STAGES}
 
 
 def player_summary(results: list[RequestResult]) -> dict:

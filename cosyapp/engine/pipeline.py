@@ -53,12 +53,14 @@ class AudioChunk:
     """Consecutive float32 samples (N,) at ``sample_rate``; ``sentence`` is the sentence index.
 
     ``note`` is set, on a chunk of no samples, when a sentence or the request reached its audio
-    budget: what was cut, in words for the user."""
+    budget: what was cut, in words for the user. ``times``, on a sentence's first chunk: when it
+    passed each stage on its way (``Stream.first_chunk_times``), for the benchmark's TTFA breakdown."""
 
     samples: np.ndarray
     sample_rate: int
     sentence: int
     note: str | None = None
+    times: dict[str, float] | None = None
 
 
 def sentence_seed(seed: int, index: int) -> int:
@@ -301,9 +303,11 @@ class Pipeline(ServingFront):
         # The one place a sentence ends early: closing its audio ends its token2wav stream, which
         # drops its queued work and closes (aborts) its LM request.
         async with contextlib.aclosing(audio):
+            first = True
             async for samples in audio:
                 self.metrics.audio(record, len(samples) / self.sample_rate)
-                yield AudioChunk(samples, self.sample_rate, index)
+                times, first = (stream.first_chunk_times() if first else None), False
+                yield AudioChunk(samples, self.sample_rate, index, times=times)
         budget.spend(cap.made)
         if note is not None and cap.made >= max_tokens:
             yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, index, note)

@@ -47,6 +47,9 @@ class Job:
     future: asyncio.Future
     mel: Tensor | None = field(default=None, repr=False)  # the flow's new frames (80, n), set by the worker
     submitted_at: float = field(default_factory=time.monotonic)  # for the worker's deadlines (scheduler.py)
+    # When the worker's stages took it: "flow_start", "flow_end" (its mel ready), "hift_start",
+    # "hift_end" (monotonic; ``stamp``); the stage that sets a stamp is its only writer.
+    times: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def streaming(self) -> bool:
@@ -58,6 +61,18 @@ class Job:
         loop = self.future.get_loop()
         if not loop.is_closed():
             loop.call_soon_threadsafe(_resolve, self.future, audio, error)
+
+
+def stamp(jobs: list[Job], name: str) -> float:
+    """Note the time now as each job's ``name`` stamp; returns it."""
+    now = time.monotonic()
+    for job in jobs:
+        job.times[name] = now
+    return now
+
+
+# The first chunk's way, stamp by stamp (Stream.first_chunk_times).
+FIRST_CHUNK_STAMPS = ("run", "first_tokens", "submitted", "flow_start", "flow_end", "hift_start", "hift_end")
 
 
 @dataclass(eq=False)
@@ -85,6 +100,10 @@ class Stream:
     flow_cache: "FlowCache | None" = None  # its incremental flow state (cached.py); None: recompute
     flow_cache_refused: bool = False  # the pool could not serve it: recompute from then on
     first_audio_at: float | None = None  # monotonic time its first audio was handed over
+    # Written by the event loop: when run() began, when the first tokens came, the first job.
+    run_at: float | None = None
+    first_tokens_at: float | None = None
+    first_job: Job | None = field(default=None, repr=False)
     audio_seconds: float = 0.0  # audio handed over so far
 
     def __post_init__(self) -> None:
@@ -107,6 +126,7 @@ class Stream:
         """
         assert not self.started, "a Stream runs once"
         self.started = True
+        self.run_at = time.monotonic()
         ready: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
         reader = asyncio.create_task(self._read(tokens, ready, on_tokens))
         reader.add_done_callback(lambda _: ready.put_nowait(None))
@@ -131,6 +151,8 @@ class Stream:
         # The reader alone iterates `tokens`, so it alone closes them, on every way out.
         async with contextlib.aclosing(tokens):
             async for new in tokens:
+                if self.first_tokens_at is None:
+                    self.first_tokens_at = time.monotonic()
                 if on_tokens is not None:
                     on_tokens(len(new))
                 self.tokens.extend(new)
@@ -148,8 +170,21 @@ class Stream:
             )
         future = asyncio.get_running_loop().create_future()
         self.futures.append(future)
-        self.submit(Job(self, torch.tensor(tokens, dtype=torch.long), offset, finalize, future))
+        job = Job(self, torch.tensor(tokens, dtype=torch.long), offset, finalize, future)
+        self.first_job = self.first_job or job
+        self.submit(job)
         return future
+
+    def first_chunk_times(self) -> dict[str, float] | None:
+        """The monotonic time of each of FIRST_CHUNK_STAMPS on the first chunk's way (run() began,
+        the first tokens came, its job went to the worker, then the worker's stages), once its audio
+        has come back; None before. Read on the event loop: the job's future resolved after the
+        stages wrote their stamps."""
+        job = self.first_job
+        if job is None or not job.future.done() or "hift_end" not in job.times:
+            return None
+        stamps = {"run": self.run_at, "first_tokens": self.first_tokens_at, "submitted": job.submitted_at}
+        return {name: stamps.get(name, job.times.get(name)) for name in FIRST_CHUNK_STAMPS}
 
     # On the worker's threads.
 

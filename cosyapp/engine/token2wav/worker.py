@@ -37,7 +37,7 @@ from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
-from cosyapp.engine.token2wav.stream import Job, Stream
+from cosyapp.engine.token2wav.stream import Job, Stream, stamp
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
@@ -301,26 +301,22 @@ class Token2Wav:
         return rest
 
     def _timed(self, run, jobs: list[Job]):
-        started = time.perf_counter()
+        """``run(jobs)``, one flow call, counted in the stats and stamped on its jobs."""
+        started = stamp(jobs, "flow_start")
         result = run(jobs)
         if self.model.device.type == "cuda":
             # This thread's CUDA stream only (count its device time, not just the launches); a
             # device-wide synchronise would also wait for the HiFT thread's work.
             torch.cuda.current_stream(self.model.device).synchronize()
         self._stats.flow_calls += 1
-        self._stats.flow_seconds += time.perf_counter() - started
+        self._stats.flow_seconds += stamp(jobs, "flow_end") - started
         self._stats.last_flow_batch = len(jobs)
         self._stats.max_flow_batch = max(self._stats.max_flow_batch, len(jobs))
         return result
 
     def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
         """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
-        started = time.perf_counter()
-        mels = self._flow_group(jobs, streaming, finalize)
-        if mels and mels[0].is_cuda:
-            torch.cuda.current_stream(mels[0].device).synchronize()  # as in _timed
-        self._stats.flow_calls += 1
-        self._stats.flow_seconds += time.perf_counter() - started
+        mels = self._timed(functools.partial(self._flow_group, streaming=streaming, finalize=finalize), jobs)
         for job, mel in zip(jobs, mels, strict=True):
             job.mel = mel
 
@@ -340,8 +336,6 @@ class Token2Wav:
                 streaming=streaming,
                 finalize=finalize,
             )
-        self._stats.last_flow_batch = len(jobs)
-        self._stats.max_flow_batch = max(self._stats.max_flow_batch, len(jobs))
         return [
             mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)
         ]
@@ -369,7 +363,8 @@ class Token2Wav:
         """
         generators = [job.stream.generator for job, _ in group]
         noise_states = [g.get_state() for g in generators]
-        started = time.perf_counter()
+        jobs = [job for job, _ in group]
+        started = stamp(jobs, "hift_start")
         try:
             speech, source = self._hift(group)  # ends with a copy to the CPU, so the device work is done
         except Exception:
@@ -377,7 +372,7 @@ class Token2Wav:
                 generator.set_state(state)  # a retry then draws the same noise as a first try
             raise
         self._stats.hift_calls += 1
-        self._stats.hift_seconds += time.perf_counter() - started
+        self._stats.hift_seconds += stamp(jobs, "hift_end") - started
         for i, (job, mel) in enumerate(group):
             with failing([job], "cross-fade"):
                 audio = job.stream.overlap.finish(mel, speech[i], source[i], final=job.finalize)
