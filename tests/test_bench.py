@@ -231,7 +231,7 @@ def test_baselines_ran_on_the_same_load_and_their_ratios_match(smoke):
 
 def test_plots_are_png_files_next_to_the_json(smoke):
     result, folder, _ = smoke
-    assert set(result["plots"]) == {"latency", "throughput", "stages"}
+    assert set(result["plots"]) == {"latency", "throughput", "stages", "first-chunk"}
     for name, path in result["plots"].items():
         assert Path(path) == folder / f"smoke-{name}.png"
         assert Path(path).read_bytes()[:8] == PNG and Path(path).stat().st_size > 10_000

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cosyapp.bench.resources import busiest
+from cosyapp.bench.stats import FIRST_CHUNK_STAGES
 
 PACKAGES = ("torch", "vllm", "transformers", "gradio", "gradio_client", "httpx", "cosyapp")
 
@@ -120,7 +121,7 @@ def row(level: dict) -> str:
     return "  ".join(parts)
 
 
-FIGURES = ("latency", "throughput", "stages")
+FIGURES = ("latency", "throughput", "stages", "first-chunk")
 
 
 def plot_paths(out: Path) -> dict[str, Path]:
@@ -129,7 +130,7 @@ def plot_paths(out: Path) -> dict[str, Path]:
 
 
 def write_plots(result: dict, out: Path) -> None:
-    """Draw the three figures of ``result`` at ``plot_paths(out)``."""
+    """Draw the figures of ``result`` at ``plot_paths(out)``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -138,7 +139,8 @@ def write_plots(result: dict, out: Path) -> None:
     paths = plot_paths(out)
     levels = result["levels"]
     texts = list(dict.fromkeys(level["text"] for level in levels))
-    for name, draw in (("latency", _latency), ("throughput", _throughput), ("stages", _stages)):
+    drawings = (("latency", _latency), ("throughput", _throughput), ("stages", _stages))
+    for name, draw in (*drawings, ("first-chunk", _first_chunk)):
         figure = draw(plt, result, texts)
         figure.savefig(paths[name], dpi=110)
         plt.close(figure)
@@ -258,5 +260,39 @@ def _stages(plt, result: dict, texts: list[str]):
             mode = "stream" if streaming else "whole"
             ax.set_title(f"{driver} {mode}, text '{text}'", fontsize=9)
     figure.suptitle("token2wav time per level; the LM decodes beside it", fontsize=10)
+    _legend(figure, axes)
+    return figure
+
+
+def _first_chunk(plt, result: dict, texts: list[str]):
+    """Stacked bars per level of the in-process driver: the median of each stage of the first chunk's
+    way, which add up to about the median time to first audio (drawn as a dot)."""
+    measured = [lv for lv in result["levels"] if lv.get("first_chunk_p50") and not lv.get("variant")]
+    if not measured:
+        figure, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no first-chunk stages: only the in-process driver sees them", ha="center")
+        return figure
+    modes = sorted({lv["streaming"] for lv in measured}, reverse=True)
+    figure, axes = _axes(plt, len(modes), len(texts))
+    for row, streaming in enumerate(modes):
+        for column, text in enumerate(texts):
+            ax = axes[row][column]
+            group = sorted(
+                (lv for lv in measured if (lv["text"], lv["streaming"]) == (text, streaming)),
+                key=lambda lv: lv["clients"],
+            )
+            names = [str(lv["clients"]) for lv in group]
+            bottom = [0.0] * len(group)
+            for index, (stage, _, _) in enumerate(FIRST_CHUNK_STAGES):
+                ms = [1000 * lv["first_chunk_p50"][stage] for lv in group]
+                ax.bar(names, ms, bottom=bottom, label=stage, color=f"C{index}")
+                bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+            ax.plot(names, [1000 * lv["ttfa_p50"] for lv in group], "ko", label="TTFA p50")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("ms (medians)")
+            mode = "stream" if streaming else "whole"
+            ax.set_title(f"first chunk, {mode}, text '{text}'", fontsize=9)
+    figure.suptitle("where the time to first audio goes", fontsize=10)
     _legend(figure, axes)
     return figure
