@@ -206,6 +206,18 @@ def test_streaming_encoder_chunk_ignores_tokens_beyond_its_end_plus_lookahead():
     assert not torch.allclose(full[:, :50], full_changed[:, :50], atol=1e-3)
 
 
+@pytest.mark.parametrize("finalize", [True, False])
+def test_the_encoders_output_lengths_are_known_on_the_host(finalize):
+    torch.manual_seed(0)
+    encoder = _tiny_encoder()
+    lengths = [60, 41, 9, 4]
+    xs = torch.randn(len(lengths), max(lengths), 32)
+    with torch.no_grad():
+        h, h_lens = encoder(xs, torch.tensor(lengths), streaming=True, finalize=finalize)
+    assert encoder.output_lengths(lengths, finalize) == h_lens.tolist()
+    assert h.size(1) == max(encoder.output_lengths(lengths, finalize))
+
+
 def _alone_and_batched(flow, items, n_tokens, **flags):
     """Each item's mel from its own batch-1 call, plus (mel, mel_len) of one call on the whole batch."""
     alone = []

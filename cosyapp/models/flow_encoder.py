@@ -203,6 +203,12 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(output_size, eps=1e-5)
 
+    def output_lengths(self, lengths: list[int], finalize: bool = True) -> list[int]:
+        """The ``h_lens`` that forward returns for items of these token counts, computed on the host
+        (a caller that plans with them need not wait for the device)."""
+        lookahead = 0 if finalize else self.pre_lookahead_len
+        return [(n - lookahead) * self.upsample_stride for n in lengths]
+
     def forward(
         self, xs: Tensor, xs_lens: Tensor, streaming: bool = False, finalize: bool = True
     ) -> tuple[Tensor, Tensor]:

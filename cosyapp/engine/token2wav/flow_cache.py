@@ -214,8 +214,10 @@ class FlowItem:
 
 def encode(
     flow: CausalMaskedDiffWithXvec, items: list[FlowItem], final: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The streaming-mode encoder over each item's whole prefix: (mu (B, 80, T), lens (B,), spks (B, 80))."""
+) -> tuple[Tensor, list[int], Tensor]:
+    """The streaming-mode encoder over each item's whole prefix: (mu (B, 80, T), each item's frames
+    (from the token counts, on the host: planning the call's pages then does not wait for the
+    encoder), spks (B, 80))."""
     dev = flow.input_embedding.weight.device
     pad = torch.nn.utils.rnn.pad_sequence
     token, token_len = (
@@ -229,8 +231,9 @@ def encode(
     tokens, lengths = join_prompt(prompt, prompt_len, token, token_len)
     spks = flow.spk_embed_affine_layer(F.normalize(torch.stack([i.embedding for i in items]), dim=1))
     x = flow.input_embedding(tokens.clamp(min=0)) * length_mask(lengths, tokens.size(1)).unsqueeze(-1)
-    h, h_lens = flow.encoder(x, lengths, streaming=True, finalize=final)
-    return flow.encoder_proj(h).transpose(1, 2), h_lens, spks
+    h, _ = flow.encoder(x, lengths, streaming=True, finalize=final)
+    lens = flow.encoder.output_lengths([len(i.prompt_tokens) + len(i.tokens) for i in items], final)
+    return flow.encoder_proj(h).transpose(1, 2), lens, spks
 
 
 def _frames(values: Tensor, start: Tensor, width: int) -> Tensor:
@@ -363,7 +366,7 @@ class IncrementalFlow:
         final = items[0].final
         assert all(i.final == final for i in items)
         mu_all, lens, spks = encode(self.flow, items, final)
-        plan = _plan(items, lens.tolist(), self.pool)
+        plan = _plan(items, lens, self.pool)
         if plan is None:
             return None
         width = max(plan.news)
