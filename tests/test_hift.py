@@ -285,3 +285,26 @@ def test_fused_weight_norm_gives_the_same_audio_without_parametrizations():
     assert not any("parametrizations" in name for name in model.state_dict())
     assert "conv_pre.weight" in model.state_dict()
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_noise_drawn_ahead_gives_the_same_audio_and_leaves_the_generators_where_a_call_would(tiny_hift):
+    mel, cache = _mel(3, 7), torch.randn(3, 1, 480 * 2) * 0.1
+    seeds = (41, 42, 43)
+
+    def generators():
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    with torch.inference_mode():
+        drawing = generators()
+        expected = tiny_hift(mel, cache, generators=drawing)
+        ahead = generators()
+        got = tiny_hift(mel, cache, noise=tiny_hift.draw_noise(mel, ahead))
+        # each generator then continues exactly as after a call that drew for itself
+        assert all(torch.equal(a.get_state(), d.get_state()) for a, d in zip(ahead, drawing, strict=True))
+        torch.manual_seed(5)
+        default_expected = tiny_hift(mel, cache)
+        torch.manual_seed(5)
+        default_got = tiny_hift(mel, cache, noise=tiny_hift.draw_noise(mel))
+    for want, have in ((expected, got), (default_expected, default_got)):
+        assert torch.equal(want[0], have[0]) and torch.equal(want[1], have[1])
+    assert not torch.equal(expected[0], default_expected[0])  # the noise matters

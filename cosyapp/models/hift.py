@@ -7,6 +7,7 @@ iSTFT -> clamp. Module names follow the official `hift.pt`, so
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,18 @@ def _rand(batch: int, n: int, like: Tensor, generators: Generators) -> Tensor:
     return torch.cat(
         [torch.rand(1, n, generator=g, device=like.device, dtype=like.dtype) for g in generators]
     )
+
+
+@dataclass
+class SourceNoise:
+    """The random numbers one HiFT call draws, drawn ahead (``HiFTGenerator.draw_noise``), so a call
+    can take them as inputs (a CUDA graph replays no draws): the initial phases (B, H+1), the sines'
+    noise (B, L, H+1, laid out as (B, H+1, L) like the sines it is drawn for) and the unused noise
+    branch (B, L, 1) that upstream draws too."""
+
+    phases: Tensor
+    sines: Tensor
+    spare: Tensor
 
 
 def _same_padding(kernel_size: int, dilation: int = 1) -> int:
@@ -132,13 +145,14 @@ class SineGen2(nn.Module):
         self.noise_std = noise_std
         self.voiced_threshold = voiced_threshold
 
-    def _phase(self, freqs: Tensor, generators: Generators) -> Tensor:
+    def _phase(self, freqs: Tensor, generators: Generators, initial: Tensor | None = None) -> Tensor:
         # Only the integer-free part of the per-sample increment matters: sin(2*pi*n) = 0.
         increments = (freqs / self.sampling_rate) % 1
         # The random initial phase lands on sample 0, which the frame-rate interpolation below never
         # reads, so it has no effect; it is kept because it consumes RNG exactly as upstream does.
-        initial = _rand(freqs.shape[0], freqs.shape[2], freqs, generators)
-        initial[:, 0] = 0
+        if initial is None:
+            initial = _rand(freqs.shape[0], freqs.shape[2], freqs, generators)
+        initial = torch.cat([torch.zeros_like(initial[:, :1]), initial[:, 1:]], dim=1)
         increments = torch.cat([increments[:, :1] + initial[:, None], increments[:, 1:]], dim=1)
         # Accumulating at frame rate and interpolating the phase back keeps it continuous across
         # frames with different F0 (no clicks at pitch changes), at 1/480 of the cumsum length.
@@ -150,16 +164,18 @@ class SineGen2(nn.Module):
             phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear"
         ).transpose(1, 2)
 
-    def forward(self, f0: Tensor, generators: Generators = None) -> Tensor:
+    def forward(self, f0: Tensor, generators: Generators = None, noise: SourceNoise | None = None) -> Tensor:
+        """``noise``: the call's draws made ahead (HiFTGenerator.draw_noise) instead of drawing here."""
         harmonics = torch.arange(1, self.harmonic_num + 2, device=f0.device, dtype=f0.dtype)
-        sines = torch.sin(self._phase(f0 * harmonics, generators)) * self.sine_amp
+        phases = None if noise is None else noise.phases
+        sines = torch.sin(self._phase(f0 * harmonics, generators, phases)) * self.sine_amp
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
         # `sines` is a transposed view in (B, H+1, L) memory order. randn_like keeps that layout (and on
         # CPU a non-contiguous normal_ uses another sampler), so the noise matches upstream's draw only
         # while `sines` stays this view: making it contiguous would change the audio for a given seed.
-        noise = noise_amp * _randn_like(sines, generators)
-        return sines * voiced + noise
+        drawn = _randn_like(sines, generators) if noise is None else noise.sines
+        return sines * voiced + noise_amp * drawn
 
 
 class SourceModuleHnNSF(nn.Module):
@@ -181,11 +197,12 @@ class SourceModuleHnNSF(nn.Module):
         )
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
 
-    def forward(self, f0: Tensor, generators: Generators = None) -> Tensor:
-        excitation = self.l_sin_gen(f0, generators)
+    def forward(self, f0: Tensor, generators: Generators = None, noise: SourceNoise | None = None) -> Tensor:
+        excitation = self.l_sin_gen(f0, generators, noise)
         merged = torch.tanh(self.l_linear(excitation))
-        # Upstream also returns a noise branch nobody uses; drawing it keeps the RNG stream in step.
-        _randn_like(f0, generators)
+        if noise is None:
+            # Upstream also returns a noise branch nobody uses; drawing it keeps the RNG stream in step.
+            _randn_like(f0, generators)
         return merged
 
 
@@ -280,10 +297,22 @@ class HiFTGenerator(nn.Module):
     def _window(self, like: Tensor) -> Tensor:
         return self.stft_window.to(device=like.device, dtype=like.dtype)
 
-    def _source(self, mel: Tensor, generators: Generators) -> Tensor:
+    def _source(self, mel: Tensor, generators: Generators, noise: SourceNoise | None = None) -> Tensor:
         f0 = self.f0_predictor(mel)
         f0 = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest")
-        return self.m_source(f0.transpose(1, 2), generators).transpose(1, 2)
+        return self.m_source(f0.transpose(1, 2), generators, noise).transpose(1, 2)
+
+    def draw_noise(self, mel: Tensor, generators: Generators = None) -> SourceNoise:
+        """What a call on ``mel`` (B, 80, F) would draw, drawn now in the same order from the same
+        generators (per item from generators[i], as in forward), for ``forward(noise=...)``."""
+        batch, samples = mel.shape[0], mel.shape[2] * self.upsample_scale
+        channels = self.m_source.l_sin_gen.harmonic_num + 1
+        like = mel.new_empty(0)
+        phases = _rand(batch, channels, like, generators)
+        # the layouts forward draws into: the sines' transposed view, then f0's (B, L, 1)
+        sines = _randn_like(mel.new_empty(batch, channels, samples).transpose(1, 2), generators)
+        spare = _randn_like(mel.new_empty(batch, samples, 1), generators)
+        return SourceNoise(phases, sines, spare)
 
     def _stft(self, source: Tensor) -> Tensor:
         spec = torch.stft(
@@ -322,6 +351,7 @@ class HiFTGenerator(nn.Module):
         cache_source: Tensor | None = None,
         *,
         generators: Sequence[torch.Generator] | None = None,
+        noise: SourceNoise | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Vocode a mel (upstream's `inference`).
 
@@ -330,10 +360,11 @@ class HiFTGenerator(nn.Module):
         phase continues. generators: optional, one per item on the mel's device; item i then draws
         its source noise from generators[i] exactly as a batch-1 call would, so its audio does not
         depend on the rest of the batch. None draws from torch's default generator, as upstream.
+        noise: the call's draws made ahead (``draw_noise``); then nothing is drawn here.
         Returns (speech (B, 480F), source (B, 1, 480F)).
         Unlike upstream, not decorated with inference_mode: the caller picks the grad mode.
         """
-        source = self._source(speech_feat, generators)
+        source = self._source(speech_feat, generators, noise)
         if cache_source is not None and cache_source.shape[2] > 0:
             c = cache_source.shape[2]
             assert c <= source.shape[2], (
