@@ -308,3 +308,15 @@ def test_noise_drawn_ahead_gives_the_same_audio_and_leaves_the_generators_where_
     for want, have in ((expected, got), (default_expected, default_got)):
         assert torch.equal(want[0], have[0]) and torch.equal(want[1], have[1])
     assert not torch.equal(expected[0], default_expected[0])  # the noise matters
+
+
+@pytest.mark.parametrize(("batch", "frames"), [(1, 2), (3, 241), (2, 1441)])
+def test_istft_without_the_nola_check_is_torch_istft_bit_for_bit(tiny_hift, batch, frames):
+    g = torch.Generator().manual_seed(frames)
+    magnitude = torch.rand(batch, 9, frames, generator=g) * 200  # past the clamp at 100 too
+    phase = torch.rand(batch, 9, frames, generator=g) * 6 - 3
+    clamped = torch.clamp(magnitude, max=1e2)
+    spec = torch.complex(clamped * torch.cos(phase), clamped * torch.sin(phase))
+    window = tiny_hift._window(magnitude)
+    expected = torch.istft(spec, tiny_hift.n_fft, tiny_hift.hop_len, tiny_hift.n_fft, window=window)
+    assert torch.equal(tiny_hift._istft(magnitude, phase), expected)

@@ -321,9 +321,23 @@ class HiFTGenerator(nn.Module):
         return torch.cat([spec.real, spec.imag], dim=1)
 
     def _istft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
+        """torch.istft(spec, n_fft, hop, n_fft, window) (center=True), step by step as torch does it:
+        inverse real FFT per frame, window, overlap-add, divided by the window's own overlap-add, the
+        n_fft/2 samples of centring trimmed at each end; the same values, bit for bit. torch.istft
+        also checks the divisor for zeros (its NOLA check), which reads a value back from the GPU;
+        the periodic Hann window at a quarter-window hop never overlap-adds to zero inside the kept
+        samples, so this skips the check, and a HiFT call has no host sync (a CUDA graph can hold it)."""
         magnitude = torch.clamp(magnitude, max=1e2)
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spec, self.n_fft, self.hop_len, self.n_fft, window=self._window(magnitude))
+        window, frames = self._window(magnitude), spec.size(2)
+        length = self.n_fft + self.hop_len * (frames - 1)
+        waves = torch.fft.irfft(spec.transpose(1, 2), n=self.n_fft, dim=-1) * window  # (B, T, n_fft)
+        added = torch.ops.aten.unfold_backward(waves, [spec.size(0), length], 1, self.n_fft, self.hop_len)
+        envelope = torch.ops.aten.unfold_backward(
+            window.pow(2).expand(1, frames, self.n_fft), [1, length], 1, self.n_fft, self.hop_len
+        )
+        half = self.n_fft // 2
+        return added[:, half : length - half] / envelope[:, half : length - half]
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """Waveform (B, 480F) from mel (B, 80, F) and source (B, 1, 480F), clamped to +-audio_limit."""
