@@ -50,6 +50,8 @@ class ServeOptions:
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
         -1 (their kernels are scheduled before the LM's when both wait).
+    hift_graphs: on a GPU, replay HiFT calls from CUDA graphs, one per batch bucket and length
+        (engine/token2wav/hift_graphs.py); the same audio, its random draws made ahead per stream.
     lm_in_process: step vLLM's engine core on a thread of this process (engine/lm/inproc.py), so its
         kernels overlap the flow's instead of taking turns with them; False: its own process.
     lm_stream_interval: speech tokens vLLM gathers into each output it hands this process (its
@@ -81,6 +83,7 @@ class ServeOptions:
     compile_flow: bool = False
     overlap_hift: bool = True
     token2wav_priority: int = 0
+    hift_graphs: bool = False
     lm_in_process: bool = False
     lm_stream_interval: int = 1
 

@@ -39,6 +39,7 @@ class Settings:
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
     compile_flow: bool = DEFAULTS.compile_flow
+    hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
     token2wav_priority: int = DEFAULTS.token2wav_priority
@@ -187,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the flow estimator's LayerNorms and pointwise work as kernels fused by torch.compile: "
         "the first start compiles them (kept under --cache-dir for later starts); the "
         "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
+    )
+    add(
+        "--hift-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_flag("HIFT_GRAPHS"),
+        help="on a GPU, replay HiFT calls from CUDA graphs (one per batch bucket and length) instead of "
+        "launching their ~500 kernels each; the same audio (default: %(default)s; env COSYAPP_HIFT_GRAPHS)",
     )
     add(
         "--lm-in-process",

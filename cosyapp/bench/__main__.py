@@ -40,6 +40,7 @@ VARIANT_FIELDS = (
     "overlap_hift",
     "max_batch",
     "token2wav_priority",
+    "hift_graphs",
 )
 SMOKE = {
     "clients": "1,2",

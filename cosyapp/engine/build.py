@@ -116,4 +116,5 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         chunked_final=options.chunked_final,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
         stream_priority=options.token2wav_priority,
+        hift_graphs=options.hift_graphs and on_gpu,
     )

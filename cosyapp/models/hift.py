@@ -281,6 +281,7 @@ class HiFTGenerator(nn.Module):
         # A plain attribute, not a buffer: checkpoints carry no window and strict loading must not
         # expect one. Moved to the input's device in forward.
         self.stft_window = _periodic_hann(istft_n_fft)
+        self._windows: dict[tuple, Tensor] = {}  # stft_window per (device, dtype), made at first use
 
     def fuse_weight_norm(self) -> None:
         """Store each weight-normed weight as a plain weight, for serving.
@@ -295,7 +296,13 @@ class HiFTGenerator(nn.Module):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
     def _window(self, like: Tensor) -> Tensor:
-        return self.stft_window.to(device=like.device, dtype=like.dtype)
+        """The STFT window on ``like``'s device and dtype, copied there once (a copy from host memory
+        at every call would wait for it, and cannot be part of a CUDA graph)."""
+        key = (like.device, like.dtype)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = self.stft_window.to(device=like.device, dtype=like.dtype)
+        return window
 
     def _source(self, mel: Tensor, generators: Generators, noise: SourceNoise | None = None) -> Tensor:
         f0 = self.f0_predictor(mel)

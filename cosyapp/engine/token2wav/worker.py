@@ -34,6 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
+from cosyapp.engine.token2wav.hift_graphs import HiFTRunner
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
@@ -62,7 +63,8 @@ class Token2Wav:
     chunked_final: see CachedFlow. step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
-    streams (0, or -1 before the LM's). Jobs submitted before start() wait for it.
+    streams (0, or -1 before the LM's). hift_graphs: replay HiFT calls from CUDA graphs
+    (hift_graphs.py). Jobs submitted before start() wait for it.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Token2Wav:
         step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
+        hift_graphs: bool = False,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -89,6 +92,7 @@ class Token2Wav:
         self._queue = JobQueue(max_batch, self.step_frames, self._cost)
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift = overlap_hift
+        self.hift_runner = HiFTRunner(model.hift, hift_graphs)
         self.stream_priority = stream_priority
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
@@ -384,10 +388,10 @@ class Token2Wav:
         """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
         streams = [job.stream for job, _ in group]
         caches = [stream.overlap.source for stream in streams]
-        speech, source = self.model.hift(
+        speech, source = self.hift_runner(
             torch.stack([mel for _, mel in group]),
             None if caches[0] is None else torch.stack(caches),
-            generators=[stream.generator for stream in streams],
+            [stream.generator for stream in streams],
         )
         self._stats.last_hift_batch = len(group)
         self._stats.max_hift_batch = max(self._stats.max_hift_batch, len(group))

@@ -1,0 +1,136 @@
+"""HiFT calls replayed from CUDA graphs, one per (batch bucket, mel frames, cached source samples).
+
+A streaming HiFT call vocodes about a second per stream and runs some 500 kernels, so at the batch
+sizes the worker sees it is bound by their launches from the HiFT thread, which shares the
+interpreter lock with the flow thread and the event loop. Replayed, the launches are one.
+
+What makes a call replayable (models/hift.py): its random draws are made ahead, per stream from the
+stream's generator exactly as the call would make them (``draw_noise``), and copied into the graph's
+inputs; its iSTFT has no host sync. The batch is padded up to a bucket: HiFT's rows are independent
+(convolutions, STFTs and iSTFTs per item), so the padding rows, whatever they hold, change nothing in
+the real ones. The length is never padded: HiFT looks both ways, so padding would change the end of
+the audio; each length gets its own graph. A shape is captured the first time it is met (three runs
+and the capture, well under a second), at most ``max_graphs`` shapes; calls of other shapes run
+eagerly, as do all calls off CUDA.
+"""
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cosyapp.models.hift import HiFTGenerator, SourceNoise
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_GRAPHS = 48  # shapes held; streaming at one speed meets a handful (first chunk, hops, last chunks)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: padded and run eagerly (``capture=False``)
+    mel: Tensor  # (bucket, 80, frames)
+    cache: Tensor | None  # (bucket, 1, cached samples)
+    noise: SourceNoise  # at the bucket's batch
+    speech: Tensor
+    source: Tensor
+
+
+class HiFTRunner:
+    """HiFT as the worker calls it: ``(mel, cache_source, generators) -> (speech, source)``, eagerly,
+    or with ``graphs`` on CUDA replayed from a graph per shape (module docstring). Its calls come from
+    one thread (the worker's HiFT stage). ``capture`` False pads and copies exactly as a replay does
+    but runs the padded call eagerly, on any device (tests, and a check of the padding)."""
+
+    def __init__(self, hift: HiFTGenerator, graphs: bool, max_graphs: int = MAX_GRAPHS, capture: bool = True):
+        self.hift = hift
+        self.graphs = graphs
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, _Graph] = {}
+        self._eager: set[tuple] = set()  # shapes whose capture failed
+        self._pool = None
+        self.captures = 0
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def __call__(
+        self, mel: Tensor, cache: Tensor | None, generators: Sequence[torch.Generator]
+    ) -> tuple[Tensor, Tensor]:
+        key = self._key(mel, cache)
+        graph = None if key is None else self._graphs.get(key)
+        room = len(self._graphs) < self.max_graphs
+        if graph is None and key is not None and key not in self._eager and room:
+            graph = self._capture(key, mel, cache)
+        if graph is None:
+            return self.hift(mel, cache, generators=generators)
+        batch = mel.size(0)
+        noise = self.hift.draw_noise(mel, generators)
+        graph.mel[:batch].copy_(mel)
+        if graph.cache is not None:
+            graph.cache[:batch].copy_(cache)
+        for name in ("phases", "sines", "spare"):
+            getattr(graph.noise, name)[:batch].copy_(getattr(noise, name))
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            speech, source = self.hift(graph.mel, graph.cache, noise=graph.noise)
+            graph.speech.copy_(speech)
+            graph.source.copy_(source)
+        self.replays += 1
+        return graph.speech[:batch].clone(), graph.source[:batch].clone()
+
+    def _key(self, mel: Tensor, cache: Tensor | None) -> tuple | None:
+        """The graph a call replays: None for calls that run eagerly (off CUDA, or too many rows)."""
+        if not (self.graphs and (mel.is_cuda or not self.capture)):
+            return None
+        rows = next((b for b in BATCH_BUCKETS if b >= mel.size(0)), None)
+        if rows is None:
+            return None
+        cached = 0 if cache is None or cache.size(2) == 0 else cache.size(2)
+        return rows, mel.size(1), mel.size(2), cached, mel.dtype
+
+    def _capture(self, key: tuple, mel: Tensor, cache: Tensor | None) -> _Graph | None:
+        rows, channels, frames, cached, dtype = key
+        dev = mel.device
+        started = time.perf_counter()
+        try:
+            static_mel = torch.zeros(rows, channels, frames, device=dev, dtype=dtype)
+            static_mel[: mel.size(0)].copy_(mel)  # warm-up on real values
+            static_cache = None
+            if cached:
+                static_cache = torch.zeros(rows, 1, cached, device=dev, dtype=dtype)
+                static_cache[: mel.size(0)].copy_(cache)
+            # The warm-up's draws come from a generator of its own: the streams' stay untouched.
+            own = torch.Generator(dev).manual_seed(0)
+            noise = self.hift.draw_noise(static_mel, [own] * rows)
+            if not self.capture:
+                speech, source = self.hift(static_mel, static_cache, noise=noise)
+                self._graphs[key] = _Graph(None, static_mel, static_cache, noise, speech, source)
+                return self._graphs[key]
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # lets cuDNN and cuFFT pick and cache their plans outside the capture
+                    self.hift(static_mel, static_cache, noise=noise)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                speech, source = self.hift(static_mel, static_cache, noise=noise)
+            torch.cuda.current_stream(dev).synchronize()
+        except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
+            log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
+            self._eager.add(key)
+            return None
+        finally:
+            self.capture_seconds += time.perf_counter() - started
+        self.captures += 1
+        captured = _Graph(graph, static_mel, static_cache, noise, speech, source)
+        self._graphs[key] = captured
+        log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
+        return captured

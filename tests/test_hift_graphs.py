@@ -1,0 +1,70 @@
+"""HiFT calls through HiFTRunner: padded to a batch bucket, draws made ahead, outputs copied out.
+
+On a CPU the runner's ``capture=False`` mode does everything a replay does (bucket, static buffers,
+copies in and out, padding rows holding an earlier call's values) except the CUDA capture itself,
+and runs the padded call eagerly; the GPU replays the same padded call from a graph."""
+
+import torch
+
+from cosyapp.engine.token2wav.hift_graphs import BATCH_BUCKETS, HiFTRunner
+from cosyapp.models.hift import ConvRNNF0Predictor, HiFTGenerator
+
+
+def tiny_hift() -> HiFTGenerator:
+    torch.manual_seed(0)
+    return HiFTGenerator(base_channels=32, f0_predictor=ConvRNNF0Predictor(cond_channels=32)).eval()
+
+
+def call(batch: int, frames: int, seed: int, cached: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mel = torch.randn(batch, 80, frames, generator=g) * 2 - 5
+    cache = torch.randn(batch, 1, cached, generator=g) * 0.1 if cached else None
+    return mel, cache, [seed * 10 + i for i in range(batch)]
+
+
+def generators(seeds: list[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_padded_calls_give_each_stream_its_own_audio_and_noise():
+    hift = tiny_hift()
+    runner = HiFTRunner(hift, graphs=True, capture=False)
+    # Two calls of one shape share a bucket (4 rows): the second's padding row holds the first's values.
+    with torch.inference_mode():
+        for batch, seed in ((4, 1), (3, 2)):
+            mel, cache, seeds = call(batch, 7, seed, cached=960)
+            through = generators(seeds)
+            speech, source = runner(mel, cache, through)
+            direct = generators(seeds)
+            expected_speech, expected_source = hift(mel, cache, generators=direct)
+            # batched convolutions round differently at 4 rows than at 2 or 3 (<= 1e-6)
+            torch.testing.assert_close(speech, expected_speech, rtol=0, atol=1e-6)
+            torch.testing.assert_close(source, expected_source, rtol=0, atol=1e-6)
+            states = zip(through, direct, strict=True)
+            assert all(torch.equal(a.get_state(), b.get_state()) for a, b in states)
+    assert runner.replays == 2 and len(runner._graphs) == 1
+
+
+def test_each_length_and_cache_gets_its_own_shape_and_uncovered_calls_run_eagerly():
+    hift = tiny_hift()
+    runner = HiFTRunner(hift, graphs=True, capture=False, max_graphs=2)
+    with torch.inference_mode():
+        for frames, cached in ((5, 0), (6, 0), (5, 960)):  # the third shape is past max_graphs
+            mel, cache, seeds = call(2, frames, frames + cached, cached)
+            speech, _ = runner(mel, cache, generators(seeds))
+            assert speech.shape == (2, 480 * frames)
+        too_many = BATCH_BUCKETS[-1] + 1
+        mel, cache, seeds = call(too_many, 2, 9)
+        runner(mel, cache, generators(seeds))
+    assert runner.replays == 2 and sorted(key[2:4] for key in runner._graphs) == [(5, 0), (6, 0)]
+
+
+def test_without_graphs_or_off_cuda_the_runner_is_the_model():
+    hift = tiny_hift()
+    mel, cache, seeds = call(2, 4, 5)
+    with torch.inference_mode():
+        expected = hift(mel, cache, generators=generators(seeds))
+        for runner in (HiFTRunner(hift, graphs=False), HiFTRunner(hift, graphs=True)):  # captures: CUDA only
+            got = runner(mel, cache, generators(seeds))
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            assert runner.replays == 0 and not runner._graphs
