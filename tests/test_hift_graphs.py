@@ -29,9 +29,10 @@ def generators(seeds: list[int]) -> list[torch.Generator]:
 def test_padded_calls_give_each_stream_its_own_audio_and_noise():
     hift = tiny_hift()
     runner = HiFTRunner(hift, graphs=True, capture=False)
-    # Two calls of one shape share a bucket (4 rows): the second's padding row holds the first's values.
+    # Calls of one shape share a bucket (4 rows): the first runs eagerly, the second captures, the third's
+    # padding row holds the second's values.
     with torch.inference_mode():
-        for batch, seed in ((4, 1), (3, 2)):
+        for batch, seed in ((4, 1), (4, 2), (3, 3)):
             mel, cache, seeds = call(batch, 7, seed, cached=960)
             through = generators(seeds)
             speech, source = runner(mel, cache, through)
@@ -49,13 +50,16 @@ def test_each_length_and_cache_gets_its_own_shape_and_uncovered_calls_run_eagerl
     hift = tiny_hift()
     runner = HiFTRunner(hift, graphs=True, capture=False, max_graphs=2)
     with torch.inference_mode():
-        for frames, cached in ((5, 0), (6, 0), (5, 960)):  # the third shape is past max_graphs
+        # each shape twice (its second call captures it); the last one is past max_graphs; a length
+        # met once stays eager
+        for frames, cached in ((5, 0), (5, 0), (6, 0), (6, 0), (3, 0), (5, 960), (5, 960)):
             mel, cache, seeds = call(2, frames, frames + cached, cached)
             speech, _ = runner(mel, cache, generators(seeds))
             assert speech.shape == (2, 480 * frames)
         too_many = BATCH_BUCKETS[-1] + 1
-        mel, cache, seeds = call(too_many, 2, 9)
-        runner(mel, cache, generators(seeds))
+        for _ in range(2):
+            mel, cache, seeds = call(too_many, 2, 9)
+            runner(mel, cache, generators(seeds))
     assert runner.replays == 2 and sorted(key[2:4] for key in runner._graphs) == [(5, 0), (6, 0)]
 
 

@@ -9,13 +9,15 @@ stream's generator exactly as the call would make them (``draw_noise``), and cop
 inputs; its iSTFT has no host sync. The batch is padded up to a bucket: HiFT's rows are independent
 (convolutions, STFTs and iSTFTs per item), so the padding rows, whatever they hold, change nothing in
 the real ones. The length is never padded: HiFT looks both ways, so padding would change the end of
-the audio; each length gets its own graph. A shape is captured the first time it is met (three runs
-and the capture, well under a second), at most ``max_graphs`` shapes; calls of other shapes run
-eagerly, as do all calls off CUDA.
+the audio; each length gets its own graph. A shape is captured the second time it is met (three
+runs and the capture, well under a second; a capture also synchronises the device): the first chunk's
+and the hops' shapes recur with every stream, while a last chunk's length is mostly its own. At most
+``max_graphs`` shapes are held; calls of other shapes run eagerly, as do all calls off CUDA.
 """
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_GRAPHS = 48  # shapes held; streaming at one speed meets a handful (first chunk, hops, last chunks)
+CAPTURE_AT = 2  # the call of a shape that captures it
 
 
 @dataclass
@@ -53,6 +56,7 @@ class HiFTRunner:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, _Graph] = {}
         self._eager: set[tuple] = set()  # shapes whose capture failed
+        self._met: Counter[tuple] = Counter()  # calls per shape not captured yet
         self._pool = None
         self.captures = 0
         self.capture_seconds = 0.0
@@ -63,9 +67,16 @@ class HiFTRunner:
     ) -> tuple[Tensor, Tensor]:
         key = self._key(mel, cache)
         graph = None if key is None else self._graphs.get(key)
-        room = len(self._graphs) < self.max_graphs
-        if graph is None and key is not None and key not in self._eager and room:
-            graph = self._capture(key, mel, cache)
+        if (
+            graph is None
+            and key is not None
+            and key not in self._eager
+            and len(self._graphs) < self.max_graphs
+        ):
+            self._met[key] += 1
+            if self._met[key] >= CAPTURE_AT:
+                del self._met[key]
+                graph = self._capture(key, mel, cache)
         if graph is None:
             return self.hift(mel, cache, generators=generators)
         batch = mel.size(0)
