@@ -48,7 +48,7 @@ def test_padded_calls_give_each_stream_its_own_audio_and_noise():
 
 def test_each_length_and_cache_gets_its_own_shape_and_uncovered_calls_run_eagerly():
     hift = tiny_hift()
-    runner = HiFTRunner(hift, graphs=True, capture=False, max_graphs=2)
+    runner = HiFTRunner(hift, graphs=True, capture=False, max_graphs=2, max_cells=2 * 6)
     with torch.inference_mode():
         # each shape twice (its second call captures it); the last one is past max_graphs; a length
         # met once stays eager
@@ -56,9 +56,9 @@ def test_each_length_and_cache_gets_its_own_shape_and_uncovered_calls_run_eagerl
             mel, cache, seeds = call(2, frames, frames + cached, cached)
             speech, _ = runner(mel, cache, generators(seeds))
             assert speech.shape == (2, 480 * frames)
-        too_many = BATCH_BUCKETS[-1] + 1
-        for _ in range(2):
-            mel, cache, seeds = call(too_many, 2, 9)
+        too_many, too_long = BATCH_BUCKETS[-1] + 1, 7
+        for batch, frames in ((too_many, 2), (too_many, 2), (2, too_long), (2, too_long)):
+            mel, cache, seeds = call(batch, frames, 9)
             runner(mel, cache, generators(seeds))
     assert runner.replays == 2 and sorted(key[2:4] for key in runner._graphs) == [(5, 0), (6, 0)]
 

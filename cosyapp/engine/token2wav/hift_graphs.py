@@ -9,10 +9,11 @@ stream's generator exactly as the call would make them (``draw_noise``), and cop
 inputs; its iSTFT has no host sync. The batch is padded up to a bucket: HiFT's rows are independent
 (convolutions, STFTs and iSTFTs per item), so the padding rows, whatever they hold, change nothing in
 the real ones. The length is never padded: HiFT looks both ways, so padding would change the end of
-the audio; each length gets its own graph. A shape is captured the second time it is met (three
-runs and the capture, well under a second; a capture also synchronises the device): the first chunk's
-and the hops' shapes recur with every stream, while a last chunk's length is mostly its own. At most
-``max_graphs`` shapes are held; calls of other shapes run eagerly, as do all calls off CUDA.
+the audio; each length gets its own graph, up to ``max_cells`` rows x frames. A shape is captured the
+second time it is met (three runs and the capture, well under a second; a capture also synchronises
+the device): the first chunk's and the hops' shapes recur with every stream, while a last chunk's
+length is mostly its own. At most ``max_graphs`` shapes are held; calls of other shapes run eagerly,
+as do all calls off CUDA.
 """
 
 import logging
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_GRAPHS = 48  # shapes held; streaming at one speed meets a handful (first chunk, hops, last chunks)
 CAPTURE_AT = 2  # the call of a shape that captures it
+# Rows x mel frames of the largest graph: 64 chunks of the longest hop (4 s, 200 frames) fit, and a
+# graph's static output stays under ~60 MB. Larger calls (whole clips) are bound by the GPU, not by
+# their launches, and run eagerly.
+MAX_CELLS = 16384
 
 
 @dataclass
@@ -49,9 +54,17 @@ class HiFTRunner:
     one thread (the worker's HiFT stage). ``capture`` False pads and copies exactly as a replay does
     but runs the padded call eagerly, on any device (tests, and a check of the padding)."""
 
-    def __init__(self, hift: HiFTGenerator, graphs: bool, max_graphs: int = MAX_GRAPHS, capture: bool = True):
+    def __init__(
+        self,
+        hift: HiFTGenerator,
+        graphs: bool,
+        max_graphs: int = MAX_GRAPHS,
+        max_cells: int = MAX_CELLS,
+        capture: bool = True,
+    ):
         self.hift = hift
         self.graphs = graphs
+        self.max_cells = max_cells
         self.capture = capture
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, _Graph] = {}
@@ -100,7 +113,7 @@ class HiFTRunner:
         if not (self.graphs and (mel.is_cuda or not self.capture)):
             return None
         rows = next((b for b in BATCH_BUCKETS if b >= mel.size(0)), None)
-        if rows is None:
+        if rows is None or rows * mel.size(2) > self.max_cells:
             return None
         cached = 0 if cache is None or cache.size(2) == 0 else cache.size(2)
         return rows, mel.size(1), mel.size(2), cached, mel.dtype
