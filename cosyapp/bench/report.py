@@ -165,9 +165,10 @@ def _axes(plt, rows: int, columns: int):
 
 
 def _legend(figure, axes) -> None:
-    """One legend for the whole figure, right of the plots (series repeat across them)."""
+    """One legend for the whole figure, right of the plots (series repeat across them); ``axes``: an
+    array of axes, or a list."""
     entries = {}
-    for ax in axes.flat:
+    for ax in getattr(axes, "flat", axes):
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(label, handle)
     figure.legend(entries.values(), entries.keys(), loc="outside right upper", fontsize=7)
@@ -226,41 +227,46 @@ def _throughput(plt, result: dict, texts: list[str]):
     return figure
 
 
-def _stages(plt, result: dict, texts: list[str]):
-    """Stacked bars per level of the first driver with engine statistics (all drivers share the engine)."""
-    measured = [lv for lv in result["levels"] if lv["stages"] is not None and not lv.get("variant")]
+def _grid(plt, measured: list[dict], texts: list[str], nothing: str):
+    """(figure, cells): a row of axes per mode (streaming first) and a column per text, each cell
+    (ax, mode, text, its levels of ``measured`` by concurrency); a figure saying ``nothing`` and no
+    cells when nothing was measured."""
     if not measured:
         figure, ax = plt.subplots(figsize=(6, 2))
         ax.axis("off")
-        ax.text(0.5, 0.5, "no engine statistics: the server ran in another process", ha="center")
-        return figure
-    driver = measured[0]["driver"]
+        ax.text(0.5, 0.5, nothing, ha="center")
+        return figure, []
     modes = sorted({lv["streaming"] for lv in measured}, reverse=True)
     figure, axes = _axes(plt, len(modes), len(texts))
+    cells = []
     for row, streaming in enumerate(modes):
         for column, text in enumerate(texts):
-            ax = axes[row][column]
-            group = sorted(
-                (
-                    lv
-                    for lv in measured
-                    if (lv["driver"], lv["text"], lv["streaming"]) == (driver, text, streaming)
-                ),
-                key=lambda lv: lv["clients"],
-            )
-            names = [str(lv["clients"]) for lv in group]
-            flow = [lv["stages"]["flow_s"] for lv in group]
-            hift = [lv["stages"]["hift_s"] for lv in group]
-            rest = [max(lv["wall_s"] - f - h, 0.0) for lv, f, h in zip(group, flow, hift, strict=True)]
-            ax.bar(names, flow, label="flow")
-            ax.bar(names, hift, bottom=flow, label="HiFT")
-            ax.bar(names, rest, bottom=[f + h for f, h in zip(flow, hift, strict=True)], label="rest of wall")
-            ax.set_xlabel("concurrent requests")
-            ax.set_ylabel("seconds of the level's wall time")
+            group = [lv for lv in measured if (lv["text"], lv["streaming"]) == (text, streaming)]
             mode = "stream" if streaming else "whole"
-            ax.set_title(f"{driver} {mode}, text '{text}'", fontsize=9)
-    figure.suptitle("token2wav time per level; the LM decodes beside it", fontsize=10)
-    _legend(figure, axes)
+            cells.append((axes[row][column], mode, text, sorted(group, key=lambda lv: lv["clients"])))
+    return figure, cells
+
+
+def _stages(plt, result: dict, texts: list[str]):
+    """Stacked bars per level of the first driver with engine statistics (all drivers share the engine)."""
+    measured = [lv for lv in result["levels"] if lv["stages"] is not None and not lv.get("variant")]
+    driver = measured[0]["driver"] if measured else None
+    measured = [lv for lv in measured if lv["driver"] == driver]
+    figure, cells = _grid(plt, measured, texts, "no engine statistics: the server ran in another process")
+    for ax, mode, text, group in cells:
+        names = [str(lv["clients"]) for lv in group]
+        flow = [lv["stages"]["flow_s"] for lv in group]
+        hift = [lv["stages"]["hift_s"] for lv in group]
+        rest = [max(lv["wall_s"] - f - h, 0.0) for lv, f, h in zip(group, flow, hift, strict=True)]
+        ax.bar(names, flow, label="flow")
+        ax.bar(names, hift, bottom=flow, label="HiFT")
+        ax.bar(names, rest, bottom=[f + h for f, h in zip(flow, hift, strict=True)], label="rest of wall")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("seconds of the level's wall time")
+        ax.set_title(f"{driver} {mode}, text '{text}'", fontsize=9)
+    if cells:
+        figure.suptitle("token2wav time per level; the LM decodes beside it", fontsize=10)
+        _legend(figure, [cell[0] for cell in cells])
     return figure
 
 
@@ -268,31 +274,20 @@ def _first_chunk(plt, result: dict, texts: list[str]):
     """Stacked bars per level of the in-process driver: the median of each stage of the first chunk's
     way, which add up to about the median time to first audio (drawn as a dot)."""
     measured = [lv for lv in result["levels"] if lv.get("first_chunk_p50") and not lv.get("variant")]
-    if not measured:
-        figure, ax = plt.subplots(figsize=(6, 2))
-        ax.axis("off")
-        ax.text(0.5, 0.5, "no first-chunk stages: only the in-process driver sees them", ha="center")
-        return figure
-    modes = sorted({lv["streaming"] for lv in measured}, reverse=True)
-    figure, axes = _axes(plt, len(modes), len(texts))
-    for row, streaming in enumerate(modes):
-        for column, text in enumerate(texts):
-            ax = axes[row][column]
-            group = sorted(
-                (lv for lv in measured if (lv["text"], lv["streaming"]) == (text, streaming)),
-                key=lambda lv: lv["clients"],
-            )
-            names = [str(lv["clients"]) for lv in group]
-            bottom = [0.0] * len(group)
-            for index, (stage, _, _) in enumerate(FIRST_CHUNK_STAGES):
-                ms = [1000 * lv["first_chunk_p50"][stage] for lv in group]
-                ax.bar(names, ms, bottom=bottom, label=stage, color=f"C{index}")
-                bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
-            ax.plot(names, [1000 * lv["ttfa_p50"] for lv in group], "ko", label="TTFA p50")
-            ax.set_xlabel("concurrent requests")
-            ax.set_ylabel("ms (medians)")
-            mode = "stream" if streaming else "whole"
-            ax.set_title(f"first chunk, {mode}, text '{text}'", fontsize=9)
-    figure.suptitle("where the time to first audio goes", fontsize=10)
-    _legend(figure, axes)
+    nothing = "no first-chunk stages: only the in-process driver sees them"
+    figure, cells = _grid(plt, measured, texts, nothing)
+    for ax, mode, text, group in cells:
+        names = [str(lv["clients"]) for lv in group]
+        bottom = [0.0] * len(group)
+        for index, (stage, _, _) in enumerate(FIRST_CHUNK_STAGES):
+            ms = [1000 * lv["first_chunk_p50"][stage] for lv in group]
+            ax.bar(names, ms, bottom=bottom, label=stage, color=f"C{index}")
+            bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+        ax.plot(names, [1000 * lv["ttfa_p50"] for lv in group], "ko", label="TTFA p50")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("ms (medians)")
+        ax.set_title(f"first chunk, {mode}, text '{text}'", fontsize=9)
+    if cells:
+        figure.suptitle("where the time to first audio goes", fontsize=10)
+        _legend(figure, [cell[0] for cell in cells])
     return figure
