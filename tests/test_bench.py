@@ -14,7 +14,7 @@ import torch
 
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
-from cosyapp.bench.resources import ResourceSampler, busiest
+from cosyapp.bench.resources import ResourceSampler, busiest, nvml_device
 from cosyapp.bench.stats import FIRST_CHUNK_STAGES, playback_underruns
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,6 +165,13 @@ while time.process_time() < end:
 print("spun", flush=True)
 sys.stdin.read()
 """
+
+
+def test_nvml_is_asked_for_the_gpu_that_cuda_visible_devices_names():
+    assert nvml_device(0, None) == 0 and nvml_device(1, "") == 1
+    assert nvml_device(1, "3, 5") == 5
+    uuid = "GPU-8e0f4a1c-5d2b-4f7e-9a3c-1b2d3e4f5a6b"
+    assert nvml_device(0, f"{uuid},GPU-0") == uuid
 
 
 def test_resources_count_a_threads_and_a_child_processs_own_cpu_time():

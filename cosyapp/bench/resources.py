@@ -14,6 +14,9 @@ is NVML's utilization (the share of each driver sample period in which a kernel 
 polled every ``period`` seconds; None where NVML or a CUDA device is missing.
 """
 
+import importlib
+import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 
 class ResourceSampler:
@@ -71,7 +76,11 @@ class ResourceSampler:
 
     def _poll_gpu(self) -> None:
         while not self._stop.wait(self.period):
-            self._gpu.append(self._read_gpu())
+            try:
+                self._gpu.append(self._read_gpu())
+            except Exception:  # the level goes on; its mean comes from the samples taken
+                log.warning("NVML stopped answering; GPU utilization sampling ends", exc_info=True)
+                return
 
 
 def busiest(resources: dict, n: int = 3) -> list[tuple[str, float]]:
@@ -83,17 +92,46 @@ def busiest(resources: dict, n: int = 3) -> list[tuple[str, float]]:
 
 
 def _gpu_utilization() -> Callable[[], float] | None:
-    """A reader of the current CUDA device's utilization in percent (torch's NVML query, which maps
-    CUDA_VISIBLE_DEVICES to NVML's numbering), or None without a CUDA device or NVML."""
+    """A reader of the current CUDA device's NVML utilization in percent, or None without a CUDA
+    device or NVML. NVML comes from nvidia-ml-py where installed, else from the copy vLLM ships (vLLM
+    does not install nvidia-ml-py, so torch.cuda.utilization cannot be relied on)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    try:
-        torch.cuda.utilization()
-    except (ModuleNotFoundError, RuntimeError):  # nvidia-ml-py missing, or the driver refuses NVML
+    nvml = _nvml_module()
+    if nvml is None:
         return None
-    return lambda: float(torch.cuda.utilization())
+    try:
+        nvml.nvmlInit()
+        entry = nvml_device(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if isinstance(entry, int):
+            handle = nvml.nvmlDeviceGetHandleByIndex(entry)
+        else:
+            handle = nvml.nvmlDeviceGetHandleByUUID(entry)
+        nvml.nvmlDeviceGetUtilizationRates(handle)
+    except Exception:  # no driver library, a name NVML does not know: measure without the GPU's share
+        log.warning("the GPU's utilization is not measured: NVML did not answer", exc_info=True)
+        return None
+    return lambda: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+
+def _nvml_module():
+    for name in ("pynvml", "vllm.third_party.pynvml"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def nvml_device(cuda_index: int, visible: str | None) -> int | str:
+    """NVML's name for CUDA device ``cuda_index`` under CUDA_VISIBLE_DEVICES ``visible``: its NVML
+    index, or the UUID the variable lists for it."""
+    if not visible:
+        return cuda_index
+    entry = [part.strip() for part in visible.split(",")][cuda_index]
+    return int(entry) if entry.isdigit() else entry
 
 
 def _cpu_seconds(times) -> float:
