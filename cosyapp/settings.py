@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=_flag("HIFT_GRAPHS"),
         help="on a GPU, replay HiFT calls from CUDA graphs (one per batch bucket and length) instead of "
-        "launching their ~500 kernels each; the same audio (default: %(default)s; env COSYAPP_HIFT_GRAPHS)",
+        "launching their kernels one by one; the same audio (default: %(default)s; env COSYAPP_HIFT_GRAPHS)",
     )
     add(
         "--lm-in-process",

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.incremental import (
     ROWS,
     TAIL,
@@ -240,11 +241,6 @@ def _frames(values: Tensor, start: Tensor, width: int) -> Tensor:
     """values (B, C, T) -> (B, C, width) with values[b, :, start_b + j] (clamped at the end)."""
     idx = (start.unsqueeze(1) + torch.arange(width, device=values.device)).clamp(max=values.size(2) - 1)
     return values.gather(2, idx.unsqueeze(1).expand(-1, values.size(1), -1))
-
-
-def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket >= value, or None past the last one."""
-    return next((b for b in buckets if b >= value), None)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """HiFT calls replayed from CUDA graphs, one per (batch bucket, mel frames, cached source samples).
 
-A streaming HiFT call vocodes about a second per stream and runs some 500 kernels, so at the batch
-sizes the worker sees it is bound by their launches from the HiFT thread, which shares the
-interpreter lock with the flow thread and the event loop. Replayed, the launches are one.
+A streaming HiFT call vocodes about a second per stream with several hundred kernels (counted from
+the model's code, not profiled), launched from the HiFT thread, which shares the interpreter lock with
+the flow thread and the event loop; replayed, the launches are one. Whether that pays is for the GPU
+to measure (``--variant hiftg:hift_graphs=true``), which is why it is off by default.
 
 What makes a call replayable (models/hift.py): its random draws are made ahead, per stream from the
 stream's generator exactly as the call would make them (``draw_noise``), and copied into the graph's
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class HiFTRunner:
         """The graph a call replays: None for calls that run eagerly (off CUDA, or too many rows)."""
         if not (self.graphs and (mel.is_cuda or not self.capture)):
             return None
-        rows = next((b for b in BATCH_BUCKETS if b >= mel.size(0)), None)
+        rows = bucket(mel.size(0), BATCH_BUCKETS)
         if rows is None or rows * mel.size(2) > self.max_cells:
             return None
         cached = 0 if cache is None or cache.size(2) == 0 else cache.size(2)
