@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmark the engine on a CUDA machine that has torch but no vLLM, from parts built by the
-# vLLM carry build (unpacked into /tmp/site) and wheels in .gpu-wheels/. Writes JSON to $OUT.
+# vLLM carry build and wheels in .gpu-wheels/ (scripts/gpu-env.sh). Writes JSON to $OUT.
 #   scripts/gpu-bench.sh [extra python -m cosyapp.bench arguments]
 # GPU_BENCH_MPS=1 runs it under a CUDA MPS control daemon started for the run (stopped after), so the
 # vLLM engine process and this one share the GPU without time slices (measured: docs/benchmarks/README.md).
@@ -8,14 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ -d /tmp/site/vllm ] || { mkdir -p /tmp/site && cat /tmp/parts/part_* | xz -d | tar -x -C /tmp/site; }
-if [ -d .gpu-wheels ]; then python -m pip install -q --no-deps --upgrade --target /tmp/site .gpu-wheels/*.whl; fi
-# vLLM finds out-of-tree models through an installed distribution's entry point.
-mkdir -p /tmp/site/cosyapp_plugin-0.dist-info
-printf 'Metadata-Version: 2.1\nName: cosyapp-plugin\nVersion: 0\n' > /tmp/site/cosyapp_plugin-0.dist-info/METADATA
-printf '[vllm.general_plugins]\ncosyapp = cosyapp.engine.lm.vllm_model:register\n' \
-    > /tmp/site/cosyapp_plugin-0.dist-info/entry_points.txt
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_CONFIGURE_LOGGING=0
+source scripts/gpu-env.sh
 if [ "${GPU_BENCH_MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
