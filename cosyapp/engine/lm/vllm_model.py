@@ -9,9 +9,11 @@ vLLM's V1 model runner (``lm_vllm`` sees to it), so the processor implements tha
 ``vllm.v1.sample.logits_processor.LogitsProcessor``.
 """
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import ModelRegistry
 from vllm.config import VllmConfig
@@ -24,7 +26,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution, uniform_bits, window_row
+from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution, uniform_bits
 
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 RAS_ARG = "cosyapp_ras"  # key in vLLM's SamplingParams.extra_args
@@ -101,6 +103,25 @@ def _parse_ras_args(sampling_params: VllmSamplingParams) -> tuple[SamplingParams
     return params, int(args["min_tokens"]), int(args["seed"])
 
 
+def pack_rows(rows: list[_RasRow], indices: list[int], win_size: int) -> np.ndarray:
+    """What the device needs of each RAS row, (rows, win_size + 3) int64: its last ``win_size``
+    generated tokens left-padded with -1, whether EOS is allowed, its uniform's bits
+    (``uniform_bits``), its index in the batch. Built with array operations: a step of 256 rows
+    spent more than a millisecond building it from nested lists (docs/benchmarks/README.md)."""
+    n = len(rows)
+    lengths = np.fromiter((len(r.output_ids) for r in rows), np.int64, n)
+    packed = np.full((n, win_size + 3), -1, dtype=np.int64)
+    kept = np.minimum(lengths, win_size)
+    tails = np.fromiter(itertools.chain.from_iterable(r.output_ids[-win_size:] for r in rows), np.int64)
+    starts = np.repeat(np.cumsum(kept) - kept, kept)
+    row = np.repeat(np.arange(n), kept)
+    packed[row, win_size - kept[row] + np.arange(len(tails)) - starts] = tails
+    packed[:, win_size] = lengths >= np.fromiter((r.min_tokens for r in rows), np.int64, n)
+    packed[:, win_size + 1] = uniform_bits([r.seed for r in rows], lengths)
+    packed[:, win_size + 2] = indices
+    return packed
+
+
 class RasLogitsProcessor(LogitsProcessor):
     """Draws the next token of RAS requests itself and leaves vLLM only its argmax.
 
@@ -149,24 +170,14 @@ class RasLogitsProcessor(LogitsProcessor):
             rows = [self.rows[i] for i in indices]
             # Under async scheduling vLLM swaps its -1 placeholder for the sampled token before this runs;
             # a placeholder left over would still count for the length and drop out of the window.
-            # One host tensor per group, one transfer: each row's window, whether EOS is allowed, its
-            # uniform's bits, its index in the batch (a tensor built on the device from a list would
+            # One host tensor per group, one transfer (a tensor built on the device from a list would
             # wait for the GPU).
-            bits = uniform_bits([r.seed for r in rows], [len(r.output_ids) for r in rows])
-            host = torch.tensor(
-                [
-                    [*window_row(r.output_ids, params.win_size), len(r.output_ids) >= r.min_tokens, int(b), i]
-                    for i, r, b in zip(indices, rows, bits, strict=True)
-                ],
-                dtype=torch.long,
-            )
+            host = torch.from_numpy(pack_rows(rows, indices, params.win_size))
             if self.pin_memory:
                 host = host.pin_memory()
             packed = host.to(logits.device, non_blocking=self.pin_memory)
-            recent, eos_allowed = packed[:, :-3], packed[:, -3].bool()
-            drawn = draw_tokens(
-                ras_distribution(logits[packed[:, -1]], recent, eos_allowed, params), packed[:, -2]
-            )
+            recent, eos_allowed, index = packed[:, :-3], packed[:, -3].bool(), packed[:, -1]
+            drawn = draw_tokens(ras_distribution(logits[index], recent, eos_allowed, params), packed[:, -2])
             chosen = torch.full(
                 (len(rows), logits.size(1)), float("-inf"), dtype=logits.dtype, device=logits.device
             )
