@@ -42,6 +42,7 @@ class Settings:
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
+    lm_sampler_graphs: bool = DEFAULTS.lm_sampler_graphs
     token2wav_priority: int = DEFAULTS.token2wav_priority
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
@@ -210,6 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="speech tokens vLLM gathers into each output to this process: more cuts the host work "
         "per token at many streams, and a chunk waits up to that many - 1 decode steps more "
         "(default: %(default)s; env COSYAPP_LM_STREAM_INTERVAL)",
+    )
+    add(
+        "--lm-sampler-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_flag("LM_SAMPLER_GRAPHS"),
+        help="on a GPU, replay the LM's RAS draw of each decode step from a CUDA graph per batch size "
+        "instead of launching its ~40 small kernels; the same tokens (default: %(default)s; env "
+        "COSYAPP_LM_SAMPLER_GRAPHS)",
     )
     add(
         "--token2wav-priority",

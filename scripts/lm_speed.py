@@ -18,6 +18,7 @@ second), tokens per second over the batch, and the CPU seconds per step of vLLM'
 engine core and any worker, read with psutil), so a step bound by the host shows about one core.
 LM_SPEED_PYSPY=DIR samples the engine core's Python stacks with py-spy (when on PATH) during each
 extra batch of the sizes in LM_SPEED_PYSPY_BATCHES (default 1,256), one raw file per variant there.
+LM_SPEED_SAMPLER_GRAPHS=1 starts the engine with --lm-sampler-graphs.
 LM_SPEED_DEVICE=cpu runs the same on the tiny random model (a check of the script, not a measurement).
 
     python scripts/lm_speed.py --summarize out.json DIR/*.txt
@@ -130,12 +131,15 @@ async def main(out: Path) -> None:
     full = device.type == "cuda"
     folder = prepare_model(Path("/tmp/bench") / ("full-size" if full else "tiny"), full, device)
     model = load_model(folder, device=str(device))
-    options = ServeOptions(engine="vllm", max_streams=max(BATCHES), cache_dir=Path("/tmp/bench/cache"))
+    graphs = os.environ.get("LM_SPEED_SAMPLER_GRAPHS") == "1"
+    cache = Path("/tmp/bench/cache")
+    options = ServeOptions(engine="vllm", max_streams=max(BATCHES), cache_dir=cache, lm_sampler_graphs=graphs)
     lm = build_lm_engine(model, options)
     started = time.perf_counter()
     await lm.start()
     rows = [
         {"engine_start_s": round(time.perf_counter() - started, 1), "tokens": TOKENS, "prompt": PROMPT_LEN}
+        | {"sampler_graphs": graphs}
     ]
     print(json.dumps(rows[0]), flush=True)
     for batch in BATCHES:

@@ -281,6 +281,25 @@ def test_logits_processor_follows_removed_and_moved_requests():
 
 
 @requires_vllm
+def test_logits_processor_draws_the_same_tokens_through_padded_graph_buckets():
+    from cosyapp.engine.lm.ras_graphs import RasGraphs
+
+    sampling = SamplingParams()
+    histories = [[0, 1, 2], [], [5, 5, 5, 1], [3] * 12, [7, 0]]
+    eager, padded = new_processor(), new_processor()
+    padded.draw = RasGraphs(capture=False)  # the replay's padding and copies, run eagerly on the CPU
+    for processor in (eager, padded):  # rows 0, 2, 3, 5, 6 of a batch of 7: two rows without RAS
+        added = [
+            (i, ras_params(3, sampling, seed=i), None, h)
+            for i, h in zip((0, 2, 3, 5, 6), histories, strict=True)
+        ]
+        processor.update_state(batch_update(7, added=added))
+    logits = peaked_logits(7, seed=9)
+    assert torch.equal(padded.apply(logits.clone()), eager.apply(logits.clone()))
+    assert padded.draw.replays == 1
+
+
+@requires_vllm
 def test_packed_rows_hold_each_window_eos_flag_uniform_and_index():
     from cosyapp.engine.lm.vllm_model import _RasRow, pack_rows
 

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speech tokens per vLLM output to this process (as serve's flag; default: %(default)s)",
     )
     add(
+        "--lm-sampler-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.lm_sampler_graphs,
+        help="the LM's RAS draw replayed from CUDA graphs (as serve's flag; default: %(default)s)",
+    )
+    add(
         "--variant",
         dest="variants",
         action="append",
@@ -203,6 +209,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             compile_flow=args.compile_flow,
             lm_in_process=args.lm_in_process,
             lm_stream_interval=args.lm_stream_interval,
+            lm_sampler_graphs=args.lm_sampler_graphs,
             slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:

@@ -52,6 +52,7 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
         kv_cache_memory_bytes=options.kv_cache_memory_bytes if not on_gpu else None,
         in_process=options.lm_in_process,
         stream_interval=options.lm_stream_interval,
+        sampler_graphs=options.lm_sampler_graphs and on_gpu,
     )
 
 

