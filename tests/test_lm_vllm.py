@@ -215,6 +215,27 @@ class TestTinyModel:
 
         assert loop.run_until_complete(greedy()) == expected
 
+    def test_a_seed_gives_the_same_tokens_as_on_the_pytorch_engine(self, tiny_engine, loop, tiny_model):
+        # Both engines draw the n-th token of a request from (seed, n) over the same distribution, so
+        # with logits equal to float rounding (fp32 here) they decode the same sentences.
+        from cosyapp.engine.lm.torch_engine import TorchSpeechLM
+
+        lm = tiny_model.lm
+        requests = [LMRequest(f"same-{i}", prompt(lm, seed=90 + i), 30, 30, seed=500 + i) for i in range(4)]
+        other = TorchSpeechLM(lm)
+
+        async def run():
+            await other.start()
+            try:
+                theirs = await asyncio.gather(*(collect(other, r) for r in requests))
+            finally:
+                await other.shutdown()
+            return theirs, await asyncio.gather(*(collect(tiny_engine, r) for r in requests))
+
+        theirs, ours = loop.run_until_complete(run())
+        assert ours == theirs
+        assert all(len(tokens) == 30 for tokens in ours) and len({tuple(t) for t in ours}) == 4
+
     def test_first_token_follows_the_ras_distribution(self, tiny_engine, loop, tiny_model):
         from scipy.stats import chi2
 

@@ -11,9 +11,9 @@ Upstream's rule (docs/model.md §4.5, upstream's current behaviour):
 ``ras_sample`` runs this procedure literally (the reference path). ``ras_distribution`` gives the exact
 distribution of its outcome, so an engine samples it in one draw at temperature 1: every serving
 engine (vLLM through a logits processor, and the batched PyTorch engine) uses that one function.
-``draw_tokens`` is the vLLM engine's draw from it: one uniform per row from the request's seed and
-the token's position, so a batch draws with one kernel and a request's tokens never depend on the
-batch it ran in.
+``draw_tokens`` is both serving engines' draw from it: one uniform per row from the request's seed
+and the token's position, so a batch draws with a few kernels, a request's tokens never depend on
+the batch it ran in, and the two engines agree for one seed wherever their logits do.
 """
 
 from collections.abc import Sequence

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import secrets
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from cosyapp.engine.lm.base import LMRequest, LMStats
 from cosyapp.models.lm import Qwen2LM
-from cosyapp.models.sampling import STOP_TOKENS, ras_distribution, recent_window
+from cosyapp.models.sampling import STOP_TOKENS, draw_tokens, ras_distribution, recent_window, uniform_bits
 from cosyapp.options import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class Sequence:
     request: LMRequest
     loop: asyncio.AbstractEventLoop
     outbox: asyncio.Queue
-    generator: torch.Generator
+    seed: int  # its draws: the n-th token's uniform comes from (seed, n) (models/sampling.py)
     aborted: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
     length: int = 0
@@ -195,12 +196,8 @@ class TorchSpeechLM:
         if self._thread is None:
             raise RuntimeError("TorchSpeechLM is not started; await start() first")
         assert request.prompt_embeds.ndim == 2 and len(request.prompt_embeds) > 0
-        generator = torch.Generator()
-        if request.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(request.seed)
-        seq = Sequence(request, asyncio.get_running_loop(), asyncio.Queue(), generator)
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        seq = Sequence(request, asyncio.get_running_loop(), asyncio.Queue(), seed)
         self._inbox.put(seq)
         try:
             while True:
@@ -318,11 +315,12 @@ class TorchSpeechLM:
         params = self.lm.sampling
         recent = recent_window([seq.generated for seq in seqs], params.win_size, logits.device)
         eos_allowed = torch.tensor([len(seq.generated) >= seq.request.min_tokens for seq in seqs])
-        probs = ras_distribution(logits, recent, eos_allowed.to(logits.device), params).cpu()
+        probs = ras_distribution(logits, recent, eos_allowed.to(logits.device), params)
+        # The vLLM engine's draw: a row's token depends on its seed, its index and its row alone.
+        bits = uniform_bits([seq.seed for seq in seqs], [len(seq.generated) for seq in seqs])
+        drawn = draw_tokens(probs, torch.from_numpy(bits).to(logits.device)).tolist()
         finished = set()
-        for b, seq, row_probs in zip(rows, seqs, probs, strict=True):
-            # One CPU generator per request: its draws do not depend on the batch or the device.
-            token = int(torch.multinomial(row_probs, 1, generator=seq.generator))
+        for b, seq, token in zip(rows, seqs, drawn, strict=True):
             if token in STOP_TOKENS:
                 finished.add(b)
                 seq.deliver(_END)
