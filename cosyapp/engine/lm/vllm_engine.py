@@ -224,7 +224,7 @@ class VllmSpeechLM:
             skip_tokenizer_init=True,
             enable_prompt_embeds=True,
             # Prefix caching hashes every request's prompt embeddings block by block when it is added
-            # and as its tokens fill blocks (py-spy of the engine core at 256 requests: 8-10 % of its
+            # and as its tokens fill blocks (py-spy of the engine core at 256 requests: 2.5-6 % of its
             # time, docs/benchmarks/README.md), while two requests share at most the voice's prompt
             # text at the front of the prompt: off.
             enable_prefix_caching=False,
