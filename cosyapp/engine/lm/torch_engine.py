@@ -316,7 +316,7 @@ class TorchSpeechLM:
         recent = recent_window([seq.generated for seq in seqs], params.win_size, logits.device)
         eos_allowed = torch.tensor([len(seq.generated) >= seq.request.min_tokens for seq in seqs])
         probs = ras_distribution(logits, recent, eos_allowed.to(logits.device), params)
-        # The vLLM engine's draw: a row's token depends on its seed, its index and its row alone.
+        # Both engines' draw (models/sampling.py): a row's token depends on its seed, its index and its row.
         bits = uniform_bits([seq.seed for seq in seqs], [len(seq.generated) for seq in seqs])
         drawn = draw_tokens(probs, torch.from_numpy(bits).to(logits.device)).tolist()
         finished = set()
