@@ -151,7 +151,9 @@ def test_a_changed_model_gets_new_previews_at_start(tmp_path_factory, service):
     assert second.previews.fingerprint != first.previews.fingerprint
     with serving(build_app(second)):
         wait_until(lambda: second.previews.ready("en-espeak-us"), timeout=120)
-        assert not old.exists()
+        # The new file is published first, then the other model's is removed (the store never
+        # lacks one), so the removal may come a moment after ready().
+        wait_until(lambda: not old.exists(), timeout=10)
         assert not second.previews.ready("en-espeak-gb")  # it had none: made when first listed or asked
 
 
