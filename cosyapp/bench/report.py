@@ -247,6 +247,14 @@ def _grid(plt, measured: list[dict], texts: list[str], nothing: str):
     return figure, cells
 
 
+def _titled(figure, cells: list, title: str):
+    """``figure`` with its title and one legend for its cells (none for a figure without cells)."""
+    if cells:
+        figure.suptitle(title, fontsize=10)
+        _legend(figure, [cell[0] for cell in cells])
+    return figure
+
+
 def _stages(plt, result: dict, texts: list[str]):
     """Stacked bars per level of the first driver with engine statistics (all drivers share the engine)."""
     measured = [lv for lv in result["levels"] if lv["stages"] is not None and not lv.get("variant")]
@@ -264,10 +272,7 @@ def _stages(plt, result: dict, texts: list[str]):
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("seconds of the level's wall time")
         ax.set_title(f"{driver} {mode}, text '{text}'", fontsize=9)
-    if cells:
-        figure.suptitle("token2wav time per level; the LM decodes beside it", fontsize=10)
-        _legend(figure, [cell[0] for cell in cells])
-    return figure
+    return _titled(figure, cells, "token2wav time per level; the LM decodes beside it")
 
 
 def _first_chunk(plt, result: dict, texts: list[str]):
@@ -287,7 +292,4 @@ def _first_chunk(plt, result: dict, texts: list[str]):
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("ms (medians)")
         ax.set_title(f"first chunk, {mode}, text '{text}'", fontsize=9)
-    if cells:
-        figure.suptitle("where the time to first audio goes", fontsize=10)
-        _legend(figure, [cell[0] for cell in cells])
-    return figure
+    return _titled(figure, cells, "where the time to first audio goes")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cosyapp.engine.token2wav.graphs import bucket, capture_graph
 from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class RasGraphs:
 
     def __call__(self, logits: Tensor, packed: Tensor, params: SamplingParams) -> Tensor:
         rows = logits.size(0)
-        size = next((b for b in BUCKETS if b >= rows), None)
+        size = bucket(rows, BUCKETS)
         key = (size, logits.size(1), logits.dtype, params)
         if size is None or key in self._eager or not (logits.is_cuda or not self.capture):
             return ras_choice(logits, packed, params)
@@ -86,16 +87,10 @@ class RasGraphs:
             self._graphs[key] = graph
             return graph
         try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lazy kernels and workspaces settle outside the capture
-                    ras_choice(static_logits, static_packed, params)
-            torch.cuda.current_stream(dev).wait_stream(side)
             self._pool = self._pool or torch.cuda.graph_pool_handle()
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = ras_choice(static_logits, static_packed, params)
+            cuda_graph, out = capture_graph(
+                lambda: ras_choice(static_logits, static_packed, params), dev, self._pool
+            )
         except Exception:  # out of memory, an uncapturable kernel: this bucket runs eagerly
             log.exception("capturing the RAS draw's graph for %s rows failed; it runs eagerly", size)
             self._eager.add(key)

@@ -12,8 +12,9 @@ limit, and padding would only add work.
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from cosyapp.models.flow_estimator import autocast_dtype
 if TYPE_CHECKING:
     from cosyapp.models.cosyvoice2 import CosyVoice2
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)  # estimator rows: CFG doubles the items, so up to 32 items
@@ -45,6 +47,23 @@ class _Captured:
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= value, or None past the last one."""
     return next((b for b in buckets if b >= value), None)
+
+
+def capture_graph(call: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``call`` captured into a CUDA graph drawing on memory ``pool``, and what the captured call
+    returned (its static outputs). Runs ``call`` twice on a side stream first, so lazy kernels and
+    workspaces settle outside the capture; the capture is thread-local, so other threads' CUDA work
+    cannot break it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = call()
+    return graph, output
 
 
 class GraphedEstimator(nn.Module):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.graphs import bucket
+from cosyapp.engine.token2wav.graphs import bucket, capture_graph
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
 
 log = logging.getLogger(__name__)
@@ -138,16 +138,11 @@ class HiFTRunner:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
                 self._graphs[key] = _Graph(None, static_mel, static_cache, noise, speech, source)
                 return self._graphs[key]
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lets cuDNN and cuFFT pick and cache their plans outside the capture
-                    self.hift(static_mel, static_cache, noise=noise)
-            torch.cuda.current_stream(dev).wait_stream(side)
+            # cuDNN and cuFFT pick and cache their plans in the runs before the capture
             self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                speech, source = self.hift(static_mel, static_cache, noise=noise)
+            graph, (speech, source) = capture_graph(
+                lambda: self.hift(static_mel, static_cache, noise=noise), dev, self._pool
+            )
             torch.cuda.current_stream(dev).synchronize()
         except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
             log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
