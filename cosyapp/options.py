@@ -43,6 +43,9 @@ class ServeOptions:
         started (off on a CPU); 0 recomputes every chunk's prefix, as upstream.
     chunked_final: with the flow cache, compute a stream's last chunk with the streaming masks too
         instead of upstream's full attention over the whole sentence (docs/model.md §8.7).
+    flow_cache_inputs: the flow cache keeps each attention's normalised input instead of its keys
+        and values: four times the frames per byte at full size, for a key/value projection over
+        each stream's past in every call; the same audio (engine/token2wav/pages.py).
     compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
         torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
         once, later starts read them from cache_dir/inductor.
@@ -82,6 +85,7 @@ class ServeOptions:
     cuda_graphs: bool = True
     flow_cache_gb: float | None = None
     chunked_final: bool = False
+    flow_cache_inputs: bool = False
     compile_flow: bool = False
     overlap_hift: bool = True
     token2wav_priority: int = 0

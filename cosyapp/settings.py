@@ -38,6 +38,7 @@ class Settings:
     first_hop: int = DEFAULTS.first_hop
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
+    flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs
     compile_flow: bool = DEFAULTS.compile_flow
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
@@ -181,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --flow-cache-gb: compute a stream's last chunk incrementally with streaming masks, "
         "not upstream's full-attention recompute: faster, different last-chunk audio "
         "(env COSYAPP_CHUNKED_FINAL=1)",
+    )
+    add(
+        "--flow-cache-inputs",
+        action=argparse.BooleanOptionalAction,
+        default=_flag("FLOW_CACHE_INPUTS"),
+        help="the incremental streaming flow keeps each attention's input (256 channels) instead of its "
+        "keys and values (2 x 512): four times the streams in the same memory, for a key/value "
+        "projection over each stream's past in every call; the same audio (default: %(default)s; "
+        "env COSYAPP_FLOW_CACHE_INPUTS)",
     )
     add(
         "--compile-flow",

@@ -18,6 +18,9 @@ compiled estimator, both replayed from CUDA graphs as served, at batch 1, 16 and
 clip (recompute path, full attention) and every incremental chunk call of the schedule: ms per call,
 TFLOP/s, the largest difference compiled against eager (fp16), and the first calls' time, which
 holds the compile (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
+
+FLOW_CACHE_INPUTS=1: the pools keep attention inputs instead of keys and values (--flow-cache-inputs);
+FLOW_CACHE_BATCHES=1,64: only these batch sizes.
 """
 
 import copy
@@ -33,16 +36,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
-from cosyapp.engine.token2wav.flow_cache import (
-    FlowCache,
-    FlowItem,
-    IncrementalFlow,
-    KVPool,
-    raw_estimator,
-    voice_frames,
-)
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
 from cosyapp.engine.token2wav.fused import fuse_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
+from cosyapp.engine.token2wav.pages import FlowCache, KVPool, voice_frames
 from cosyapp.engine.token2wav.precision import cast_matmul_weights
 from cosyapp.models.flow import CausalMaskedDiffWithXvec
 
@@ -51,7 +48,10 @@ SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
 COMPILE = os.environ.get("FLOW_CACHE_COMPILE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
+INPUTS = os.environ.get("FLOW_CACHE_INPUTS") == "1"
 BATCHES = (1, 2) if SMOKE else (1, 16, 64) if COMPILE else (1, 4, 16, 32, 64)
+if os.environ.get("FLOW_CACHE_BATCHES"):
+    BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))
 
 
 def autocast():
@@ -151,7 +151,7 @@ def main() -> None:
     torch.manual_seed(0)
     flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
     est = raw_estimator(flow)
-    page_bytes = KVPool.page_bytes(est, flow.decoder.n_timesteps, torch.float16)
+    page_bytes = KVPool.page_bytes(est, flow.decoder.n_timesteps, torch.float16, INPUTS)
     rows = []
 
     def emit(row: dict) -> None:  # the file is rewritten each row: a run cut short keeps its rows
@@ -174,7 +174,7 @@ def main() -> None:
     v = voice()
     tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     calls = schedule(PROMPT, TOKENS)
-    emit({"check": "setup", "page_bytes": page_bytes, "calls": calls})
+    emit({"check": "setup", "page_bytes": page_bytes, "calls": calls, "attention_inputs": INPUTS})
     if COMPILE:
         compare_compiled(served, v, tokens, calls, emit)
     else:
@@ -189,8 +189,8 @@ def accuracy(flow, served, v, tokens, calls, emit) -> None:
     """One stream: incremental fp16 (``served``) and fp32 (``flow``) against recompute fp32, chunk
     by chunk."""
     est = raw_estimator(flow)
-    pool32 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float32)
-    pool16 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float16)
+    pool32 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float32, inputs=INPUTS)
+    pool16 = KVPool(est, pages=24, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS)
     c32, c16 = FlowCache(), FlowCache()
     for n, final in calls:
         want = recompute(flow, v, tokens[:n], 1, final, fp16=False)[0]
@@ -255,7 +255,7 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
     """Every call of the schedule for `batch` streams: recompute, incremental eager and graphed."""
     est = raw_estimator(flow)
     pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
-    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS)
     eager_ms, graphed_ms = [], []
     eager_runner, graphed_runner = IncrementalFlow(flow, pool), IncrementalFlow(flow, pool, graphs=True)
     run_schedule(flow, pool, eager_runner, v, batch, tokens, calls)  # kernels, allocator
@@ -302,7 +302,7 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
             **{f"{k}_ms": round(x, 1) for k, x in totals.items()},
             **{f"{k}_audio_s_per_s": round(audio_s / x * 1000, 1) for k, x in totals.items()},
             "graph_capture_s": round(capture_s, 1),
-            "page_gb": round(pages * KVPool.page_bytes(est, 10, torch.float16) / 2**30, 1),
+            "page_gb": round(pages * KVPool.page_bytes(est, 10, torch.float16, INPUTS) / 2**30, 1),
         }
     )
 
@@ -352,7 +352,7 @@ def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emi
     """Every chunk call of the schedule for ``batch`` streams, eager against compiled, both graphed."""
     est = raw_estimator(flow)
     pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
-    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS)
     runners = {
         name: IncrementalFlow(f, pool, graphs=True) for name, f in (("eager", eager), ("compiled", compiled))
     }

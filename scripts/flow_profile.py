@@ -12,7 +12,8 @@ gap between the graphed wall time and the kernels' own time shows what launches 
 The flow's Linear and Conv1d weights are stored in float16 as the server stores them
 (engine/token2wav/precision.py); FLOW_PROFILE_FP32_WEIGHTS=1 keeps them float32, so autocast casts
 them on every call. FLOW_PROFILE_BATCHES=1,64 picks the batch sizes (empty: none);
-FLOW_PROFILE_GRAPHED=0 leaves out the graphed timing (and its captures' memory).
+FLOW_PROFILE_GRAPHED=0 leaves out the graphed timing (and its captures' memory). FLOW_CACHE_INPUTS=1: the pool
+keeps attention inputs instead of keys and values (--flow-cache-inputs).
 FLOW_PROFILE_WHOLE=23,64 also profiles whole clips (the recompute path, full attention, eagerly as
 the worker runs calls past the graphs' largest bucket) for that many requests at once: wall time,
 TFLOP/s (torch's FlopCounterMode) and the same kernel categories, under each variant of
@@ -37,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and helpers)
     DEVICE,
+    INPUTS,
     PROMPT,
     TOKENS,
     autocast,
@@ -50,9 +52,10 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
     whole_clip,
 )
 
-from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, KVPool, raw_estimator  # noqa: E402
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator  # noqa: E402
 from cosyapp.engine.token2wav.fused import PIECES as FUSED_PIECES  # noqa: E402
 from cosyapp.engine.token2wav.fused import fuse_estimator  # noqa: E402
+from cosyapp.engine.token2wav.pages import KVPool  # noqa: E402
 from cosyapp.engine.token2wav.precision import cast_matmul_weights  # noqa: E402
 from cosyapp.models.flow import CausalMaskedDiffWithXvec  # noqa: E402
 
@@ -115,7 +118,9 @@ def measure(flow, v, tokens, calls, batch: int, emit) -> None:
     """Every chunk call of one sentence for ``batch`` streams: graphed wall time, eager kernels."""
     speech, feat, emb = v
     pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
-    pool = KVPool(raw_estimator(flow), pages=pages, steps=10, device=DEVICE, dtype=torch.float16)
+    pool = KVPool(
+        raw_estimator(flow), pages=pages, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS
+    )
     eager, graphed = IncrementalFlow(flow, pool), IncrementalFlow(flow, pool, graphs=True)
 
     def sentence(runner, each=None):
@@ -273,6 +278,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "matmul_weights": "float16" if CAST else "float32",
+        "attention_inputs": INPUTS,
     }
 
     def emit(row: dict) -> None:

@@ -4,16 +4,17 @@ import pytest
 import torch
 
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
-from cosyapp.engine.token2wav.flow_cache import (
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.incremental import as_words
+from cosyapp.engine.token2wav.pages import (
     FlowCache,
-    FlowItem,
-    IncrementalFlow,
     KVPool,
+    VoiceEntry,
     VoicePages,
-    raw_estimator,
+    transformer_count,
     voice_frames,
 )
-from cosyapp.engine.token2wav.incremental import as_words
+from cosyapp.models.flow_estimator import CausalConditionalDecoder
 
 PAGE = 50  # frames per chunk (25 tokens x 2)
 LOOKAHEAD = 3
@@ -55,8 +56,9 @@ def schedule(prompt_len: int, total: int, first_hop: int) -> list[tuple[int, boo
     return [*calls, (total, True)]
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_model):
+@pytest.fixture(scope="module", params=[False, True], ids=["keys-values", "attention-inputs"])
+def pool(tiny_model, request):
+    """A pool of keys and values, or of the attention inputs they are projected from."""
     est = raw_estimator(tiny_model.flow)
     return KVPool(
         est,
@@ -64,6 +66,7 @@ def pool(tiny_model):
         steps=tiny_model.flow.decoder.n_timesteps,
         device=torch.device("cpu"),
         dtype=torch.float32,
+        inputs=request.param,
     )
 
 
@@ -90,8 +93,6 @@ def start_from_voice(flow, pool, voices, key, p, cache):
         seed = FlowCache()
         item = FlowItem(seed, speech, feat, emb, speech[:0], False, commit_to=frames)
         IncrementalFlow(flow, pool)([item])
-        from cosyapp.engine.token2wav.flow_cache import VoiceEntry
-
         entry = VoiceEntry(seed.pages, seed.tails, seed.frames)
         voices.put(key, entry)
     pool.retain(entry.pages)
@@ -147,11 +148,17 @@ def test_a_batch_of_new_and_continuing_streams_matches_each_alone(tiny_model, po
         pool.release(c.pages)
 
 
-def test_voice_pages_give_the_frames_of_computing_the_prompt(tiny_model):
+@pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
+def test_voice_pages_give_the_frames_of_computing_the_prompt(tiny_model, inputs):
     flow = tiny_model.flow
     est = raw_estimator(flow)
     pool = KVPool(
-        est, pages=32, steps=flow.decoder.n_timesteps, device=torch.device("cpu"), dtype=torch.float32
+        est,
+        pages=32,
+        steps=flow.decoder.n_timesteps,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        inputs=inputs,
     )
     p = prompt(75, 5)
     voices = VoicePages(pool, max_pages=8)
@@ -193,3 +200,13 @@ def test_page_writes_as_words_move_the_same_bytes(dtype):
     assert torch.equal(store[rows, 2], new) and store[:, :2].abs().sum() == 0
     odd = torch.zeros(5, dtype=dtype)[1:]  # 4 elements from an odd offset: left as they are
     assert as_words(odd).dtype == dtype
+
+
+def test_a_page_of_attention_inputs_holds_a_quarter_of_the_bytes_at_full_size():
+    """A page per frame, block, Euler step and CFG row keeps keys and values (2 x 8 heads x 64) or the
+    attention input (256 channels): 115 MB against 29 MB per 50-frame page in fp16 at full size."""
+    with torch.device("meta"):
+        est = CausalConditionalDecoder()  # the defaults are CosyVoice2-0.5B's shapes
+    assert transformer_count(est) == 56
+    assert KVPool.page_bytes(est, 10, torch.float16) == 56 * 10 * 2 * 50 * (2 * 8 * 64) * 2 == 114_688_000
+    assert KVPool.page_bytes(est, 10, torch.float16, inputs=True) == 56 * 10 * 2 * 50 * 256 * 2

@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_flow_cache import prompt, recompute
 
-from cosyapp.engine.token2wav.flow_cache import FlowCache, FlowItem, IncrementalFlow, KVPool, raw_estimator
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.pages import FlowCache, KVPool
 from cosyapp.engine.token2wav.precision import cast_matmul_weights
 from cosyapp.models.cosyvoice2 import PromptInputs
 
@@ -82,3 +83,27 @@ def test_the_reference_path_runs_under_the_stored_dtype(tiny_model, flows):
     assert torch.equal(mel, autocast_only.tokens_to_mel(tokens, p))
     assert not torch.equal(mel, float32)
     torch.testing.assert_close(mel, float32, atol=0.1, rtol=0.05)
+
+
+def test_a_pool_of_attention_inputs_gives_the_keys_and_values_pool_s_frames(flows):
+    """Under autocast the projection casts its input to the stored dtype, so keeping that input and
+    projecting it again at every call gives the keys and values kept before: the same frames (bit
+    for bit on this CPU) across four calls of one stream."""
+    _, cast = flows
+    speech, feat, emb = prompt(30, seed=5)
+    tokens = torch.randint(0, 6561, (130,), generator=torch.Generator().manual_seed(6))
+    outputs = []
+    for inputs in (False, True):
+        est = raw_estimator(cast)
+        steps = cast.decoder.n_timesteps
+        pool = KVPool(est, pages=16, steps=steps, device=torch.device("cpu"), dtype=DTYPE, inputs=inputs)
+        cache, frames = FlowCache(), []
+        for n, final in ((28, False), (53, False), (103, False), (130, True)):
+            item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
+            with torch.autocast("cpu", dtype=DTYPE):
+                [(mel, _)] = IncrementalFlow(cast, pool, graphs=True)([item])
+            frames.append(mel)
+        outputs.append(frames)
+    for a, b in zip(*outputs, strict=True):
+        assert a.abs().max() > 0
+        assert torch.equal(a, b)

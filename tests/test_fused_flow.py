@@ -9,7 +9,8 @@ import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
 from cosyapp.engine.build import build_pipeline
-from cosyapp.engine.token2wav.flow_cache import KVPool, raw_estimator
+from cosyapp.engine.token2wav.flow_cache import raw_estimator
+from cosyapp.engine.token2wav.pages import KVPool
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.flow_estimator import CausalBlock1D, TransformerBlock
 from cosyapp.options import DEFAULTS, ServeOptions

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from test_token2wav import _as_lm, _prompt, _run, _tokens
 
-from cosyapp.engine.token2wav.flow_cache import KVPool, raw_estimator
+from cosyapp.engine.token2wav.flow_cache import raw_estimator
+from cosyapp.engine.token2wav.pages import KVPool
 from cosyapp.engine.token2wav.worker import Token2Wav
 
 POOL = 64 << 20  # bytes: plenty of pages for the tiny model
@@ -38,32 +39,41 @@ def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1e-3, float(np.abs(b).max())))
 
 
-def test_cached_streams_give_the_recompute_audio(tiny_model):
+@pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
+def test_cached_streams_give_the_recompute_audio(tiny_model, inputs):
     want = _run(tiny_model, lambda e: streams(e, SPECS))
 
     async def main(engine):
         got = await streams(engine, SPECS)
-        return got, engine.cached
+        return got, engine.cached, engine.stats()
 
-    got, cached = _run(tiny_model, main, flow_cache_bytes=POOL)
+    got, cached, stats = _run(tiny_model, main, flow_cache_bytes=POOL, flow_cache_inputs=inputs)
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
+    assert cached.pool.inputs == inputs
     assert not cached.holders and cached.fallbacks == 0
     held = cached.voices.held_pages
     assert held > 0 and cached.pool.free_pages == cached.pool.pages - held
+    # Every chunk but each stream's last (upstream's full-attention recompute) went the incremental way.
+    chunks = sum(len(g) for g in got)
+    assert stats.recompute_jobs == len(SPECS) and stats.incremental_jobs == chunks - len(SPECS)
+    assert stats.flow_cache_fallbacks == 0 and stats.flow_cache_pages == cached.pool.pages
+    assert 0 <= stats.flow_cache_least_free < cached.pool.pages - held
 
 
 def test_a_full_pool_falls_back_to_recomputing_with_the_same_audio(tiny_model):
     want = _run(tiny_model, lambda e: streams(e, SPECS))
 
     async def main(engine):
-        return await streams(engine, SPECS), engine.cached
+        return await streams(engine, SPECS), engine.cached, engine.stats()
 
     # 3 pages: no stream of 90 tokens or more fits, whatever the timing, so every one falls back.
-    got, cached = _run(tiny_model, main, flow_cache_bytes=3 * page_bytes(tiny_model))
+    got, cached, stats = _run(tiny_model, main, flow_cache_bytes=3 * page_bytes(tiny_model))
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
     assert cached.fallbacks > 0 and not cached.holders
+    assert stats.flow_cache_fallbacks == cached.fallbacks and stats.flow_cache_least_free == 0
+    assert stats.recompute_jobs > len(SPECS)  # more than the last chunks: the refused streams' chunks
 
 
 def test_a_cancelled_stream_gives_its_pages_back(tiny_model):

@@ -37,6 +37,7 @@ VARIANT_FIELDS = (
     "first_hop",
     "flow_cache_gb",
     "chunked_final",
+    "flow_cache_inputs",
     "overlap_hift",
     "max_batch",
     "token2wav_priority",
@@ -139,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
     add(
+        "--flow-cache-inputs",
+        action="store_true",
+        help="the flow cache keeps attention inputs, not keys and values (as serve's flag)",
+    )
+    add(
         "--compile-flow",
         action="store_true",
         help="the flow estimator's memory-bound work as kernels fused by torch.compile (as serve's flag)",
@@ -206,6 +212,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             cuda_graphs=args.cuda_graphs,
             flow_cache_gb=args.flow_cache_gb,
             chunked_final=args.chunked_final,
+            flow_cache_inputs=args.flow_cache_inputs,
             compile_flow=args.compile_flow,
             lm_in_process=args.lm_in_process,
             lm_stream_interval=args.lm_stream_interval,

@@ -92,6 +92,11 @@ def row(level: dict) -> str:
             f"HiFT<={level['hift_max_batch']}  flow {stages['flow_s']:.2f} s ({stages['flow_calls']} calls) "
             f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']})"
         )
+        if stages.get("incremental_jobs") or stages.get("flow_cache_fallbacks"):
+            parts.append(
+                f"flow jobs incremental {stages['incremental_jobs']}, recomputed {stages['recompute_jobs']}; "
+                f"streams the flow cache could not serve {stages['flow_cache_fallbacks']}"
+            )
         if stages.get("eager_flow_calls") or stages.get("graph_captures"):
             parts.append(
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "

@@ -223,6 +223,9 @@ def stage_times(
         "eager_flow_calls": t2w1.eager_flow_calls - t2w0.eager_flow_calls,
         "graph_captures": t2w1.graph_captures - t2w0.graph_captures,
         "graph_capture_s": t2w1.graph_capture_seconds - t2w0.graph_capture_seconds,
+        "incremental_jobs": t2w1.incremental_jobs - t2w0.incremental_jobs,
+        "recompute_jobs": t2w1.recompute_jobs - t2w0.recompute_jobs,
+        "flow_cache_fallbacks": t2w1.flow_cache_fallbacks - t2w0.flow_cache_fallbacks,
     }
 
 

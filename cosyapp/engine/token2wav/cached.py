@@ -16,17 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from cosyapp.engine.token2wav.flow_cache import (
-    FlowCache,
-    FlowItem,
-    IncrementalFlow,
-    KVPool,
-    VoiceEntry,
-    VoicePages,
-    raw_estimator,
-    voice_frames,
-    voice_key,
-)
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.pages import FlowCache, KVPool, VoiceEntry, VoicePages, voice_frames, voice_key
 from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 
@@ -40,17 +31,24 @@ class CachedFlow:
 
     chunked_final: compute a stream's last chunk incrementally with the streaming masks too; False
     (default) computes it as upstream does, with full attention over the whole sentence (a
-    recompute), after which the stream's pages are given back (docs/model.md §8.7).
+    recompute), after which the stream's pages are given back (docs/model.md §8.7). inputs: the pool
+    keeps attention inputs instead of keys and values (pages.py).
     """
 
     def __init__(
-        self, model: CosyVoice2, pool_bytes: int, dtype: torch.dtype, graphs: bool, chunked_final: bool
+        self,
+        model: CosyVoice2,
+        pool_bytes: int,
+        dtype: torch.dtype,
+        graphs: bool,
+        chunked_final: bool,
+        inputs: bool = False,
     ):
         est = raw_estimator(model.flow)
         steps = model.flow.decoder.n_timesteps
-        pages = pool_bytes // KVPool.page_bytes(est, steps, dtype)
+        pages = pool_bytes // KVPool.page_bytes(est, steps, dtype, inputs)
         self.model = model
-        self.pool = KVPool(est, pages, steps, model.device, dtype)
+        self.pool = KVPool(est, pages, steps, model.device, dtype, inputs)
         self.flow = IncrementalFlow(model.flow, self.pool, graphs=graphs)
         self.voices = VoicePages(self.pool, max_pages=pages // VOICE_SHARE)
         self.chunked_final = chunked_final
@@ -58,19 +56,25 @@ class CachedFlow:
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
         self._capturer: threading.Thread | None = None
         self._capturing = False
-        logger.info("incremental streaming flow: %d pages of %d frames", pages, self.pool.page)
+        kept = "attention inputs" if inputs else "keys and values"
+        logger.info("incremental streaming flow: %d pages of %d frames (%s)", pages, self.pool.page, kept)
 
     @property
     def missed_graphs(self) -> int:
         """Graph buckets the calls met and the capture thread has not captured yet."""
         return self.flow.graphs.missed if self.flow.graphs is not None else 0
 
-    def graph_counters(self) -> dict:
-        """The graphs' counters as Token2WavStats fields (none without graphs)."""
+    def counters(self) -> dict:
+        """The pool's and the graphs' counters as Token2WavStats fields."""
+        pool = {
+            "flow_cache_fallbacks": self.fallbacks,
+            "flow_cache_pages": self.pool.pages,
+            "flow_cache_least_free": self.pool.least_free,
+        }
         graphs = self.flow.graphs
         if graphs is None:
-            return {}
-        return {
+            return pool
+        return pool | {
             "eager_flow_calls": graphs.eager_calls,
             "graph_captures": graphs.captures,
             "graph_capture_seconds": graphs.capture_seconds,

@@ -7,7 +7,11 @@ So once a chunk is complete, its frames' trajectory through the ten Euler steps,
 frames read from it, never change. Kept per stream, for every Euler step and both CFG rows:
 
 - the keys and values of each committed frame in every transformer block, in pages of one chunk in
-  a shared pool (``KVPool``), so batching streams costs one gather per block and step;
+  a shared pool (``KVPool``), so batching streams costs one gather per block and step; or, with
+  ``inputs``, each attention's normalised input instead (a quarter of the bytes at full size: 256
+  channels against keys and values of 2 x 512), from which every call projects the past's keys and
+  values again with the same weights (the same values: the projection reads what it read when the
+  frame was new);
 - the last two inputs of every causal convolution at the committed boundary (``FlowCache.tails``).
 
 The encoder is cheap (about 1 % of the flow's work) and is recomputed over the whole prefix, as the
@@ -17,10 +21,7 @@ A voice's prompt chunks that no generated token can reach (the 3-token lookahead
 prompt) are computed once and shared by every stream of that voice (``VoicePages``).
 """
 
-import hashlib
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +35,12 @@ from cosyapp.engine.token2wav.incremental import (
     IncrementalEstimator,
     IncrementalGraphs,
     run_cfm,
-    transformer_stages,
 )
+from cosyapp.engine.token2wav.pages import TRASH, FlowCache, KVPool
 from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_condition
 from cosyapp.models.flow_encoder import length_mask
 from cosyapp.models.flow_estimator import CausalConditionalDecoder, CausalResnetBlock1D
 
-TRASH = 0  # a page no stream owns: padding in page tables, and where uncommitted frames are written
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WIDTH_BUCKETS = (100, 200, 250)  # new frames: a first chunk after voice pages, 100-token hops, finals
 PAST_BUCKETS = (0, 1, 2, 4, 8, 16, 32)  # committed pages: a 3 s prompt and up to 29 s of speech
@@ -65,139 +65,6 @@ def conv_channels(estimator: CausalConditionalDecoder) -> list[int]:
         channels += resnet(mid_resnet)
     channels += resnet(up_resnet) + [up_conv.in_channels, estimator.final_block.block[0].in_channels]
     return channels
-
-
-def transformer_count(estimator: CausalConditionalDecoder) -> int:
-    return sum(len(blocks) for blocks in transformer_stages(estimator))
-
-
-class KVPool:
-    """Keys and values of committed frames, in pages of one chunk, shared by every stream.
-
-    ``kv`` is (blocks, (1 + pages) * ROWS, steps, page, 2, heads, head_dim): page p's CFG row r is
-    pool row ``p * ROWS + r``, and its frames hold their keys and values side by side, so per block
-    and step a call writes its new pages and then reads past and new pages with one gather, in the
-    layout the attention reads as it is; page 0 is the trash page.
-    Pages are reference-counted: a voice's prompt pages are held by the voice cache and by every
-    stream that started from them.
-    """
-
-    def __init__(
-        self,
-        estimator: CausalConditionalDecoder,
-        pages: int,
-        steps: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
-        attn = estimator.down_blocks[0][1][0].attn1
-        self.page = estimator.static_chunk_size
-        self.blocks = transformer_count(estimator)
-        self.steps = steps
-        shape = (self.blocks, (pages + 1) * ROWS, steps, self.page, 2, attn.heads, attn.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.pages = pages  # besides the trash page
-        self._refs = [0] * (pages + 1)
-        self._free = list(range(pages, TRASH, -1))
-        self._lock = threading.Lock()  # pages are released from the event loop's side too
-
-    @staticmethod
-    def page_bytes(estimator: CausalConditionalDecoder, steps: int, dtype: torch.dtype) -> int:
-        attn = estimator.down_blocks[0][1][0].attn1
-        per_frame = transformer_count(estimator) * 2 * steps * ROWS * attn.heads * attn.head_dim
-        return per_frame * estimator.static_chunk_size * torch.finfo(dtype).bits // 8
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh pages (reference count 1), or None when the pool has fewer free."""
-        with self._lock:
-            if n > len(self._free):
-                return None
-            pages = [self._free.pop() for _ in range(n)]
-            for p in pages:
-                self._refs[p] = 1
-            return pages
-
-    def retain(self, pages: list[int]) -> None:
-        with self._lock:
-            for p in pages:
-                assert self._refs[p] > 0
-                self._refs[p] += 1
-
-    def release(self, pages: list[int]) -> None:
-        with self._lock:
-            for p in pages:
-                self._refs[p] -= 1
-                assert self._refs[p] >= 0
-                if self._refs[p] == 0:
-                    self._free.append(p)
-
-
-@dataclass
-class FlowCache:
-    """What one stream keeps of its committed frames: pages in the pool and the convolution tails."""
-
-    pages: list[int] = field(default_factory=list)
-    tails: Tensor | None = None  # (steps, ROWS, sum of conv input channels, TAIL); None = zeros
-    frames: int = 0  # committed frames, a whole number of pages
-
-
-@dataclass
-class VoiceEntry:
-    pages: list[int]
-    tails: Tensor
-    frames: int
-
-
-class VoicePages:
-    """Prompt pages per voice, least recently used out; at most ``max_pages`` held in all."""
-
-    def __init__(self, pool: KVPool, max_pages: int):
-        self.pool = pool
-        self.max_pages = max_pages
-        self._entries: OrderedDict[str, VoiceEntry] = OrderedDict()
-        self._held = 0
-
-    def get(self, key: str) -> VoiceEntry | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: str, entry: VoiceEntry) -> None:
-        """Keep ``entry`` under ``key``, taking over one reference to its pages (given back at once
-        when the entry alone is over the limit)."""
-        if len(entry.pages) > self.max_pages:
-            self.pool.release(entry.pages)
-            return
-        while self._entries and self._held + len(entry.pages) > self.max_pages:
-            _, old = self._entries.popitem(last=False)
-            self._held -= len(old.pages)
-            self.pool.release(old.pages)
-        self._entries[key] = entry
-        self._held += len(entry.pages)
-
-    @property
-    def held_pages(self) -> int:
-        """Pages the cache holds for voices (shared with the streams that started from them)."""
-        return self._held
-
-
-def voice_key(speech_tokens: Tensor, speech_feat: Tensor, embedding: Tensor) -> str:
-    """A digest of everything the prompt frames depend on."""
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in (speech_tokens, speech_feat, embedding):
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def voice_frames(prompt_tokens: int, chunk_tokens: int, lookahead: int, ratio: int) -> int:
-    """Mel frames of the prompt chunks whose encoder output no generated token can reach."""
-    chunks = max(0, (prompt_tokens - lookahead) // chunk_tokens)
-    return chunks * chunk_tokens * ratio
 
 
 @dataclass
@@ -347,7 +214,7 @@ class IncrementalFlow:
         """graphs: pad calls to shape buckets and replay them from CUDA graphs (on a CPU the padded
         calls run eagerly, which checks the padding)."""
         self.flow, self.pool = flow, pool
-        self.step_fn = IncrementalEstimator(raw_estimator(flow))
+        self.step_fn = IncrementalEstimator(raw_estimator(flow), pool.inputs)
         cfg_rate = flow.decoder.inference_cfg_rate
         self.graphs = IncrementalGraphs(self.step_fn, pool.kv, cfg_rate) if graphs else None
 

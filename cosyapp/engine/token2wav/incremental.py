@@ -84,29 +84,37 @@ class _StepIO:
         self.channel = hi
         return full
 
-    def keys_values(self, new: Tensor) -> tuple[Tensor, Tensor]:
-        """New keys and values (ROWS*B, W, 2, H, D) -> keys, values (ROWS*B, H, (Pp + Wp) * page, D):
-        each stream's committed pages, then its Wp = ceil(W / page) new pages, whose first W frames are
-        the new ones (the rest are masked). Writes the new frames' pages first (uncommitted ones go to
-        the trash page), then reads all of them with one gather into the layout attention reads, and
-        puts the new frames over the new pages' slots: one pass over the past instead of a gather and
-        a concatenation."""
+    def past_and_new(self, new: Tensor) -> Tensor:
+        """What the pool keeps of the new frames (ROWS*B, W, *frame) -> the same of each stream's
+        committed pages, then of its Wp = ceil(W / page) new pages, whose first W frames are the new
+        ones (the rest are masked): (ROWS*B, (Pp + Wp) * page, *frame), in ``new``'s dtype. Writes
+        the new frames' pages first (uncommitted ones go to the trash page), then reads all of them
+        with one gather into the layout attention reads, and puts the new frames over the new pages'
+        slots: one pass over the past instead of a gather and a concatenation."""
         layer, step = self.block, self.step
         self.block += 1
-        store = self.kv[layer]  # (pool rows, steps, page, 2, H, D)
+        store = self.kv[layer]  # (pool rows, steps, page, *frame)
         rb, width = new.shape[:2]
         page = store.size(2)
         n_pages = -(-width // page)
-        paged = new if width == n_pages * page else F.pad(new, (0, 0, 0, 0, 0, 0, 0, n_pages * page - width))
+        frame_dims = new.dim() - 2
+        pad = (0, 0) * frame_dims + (0, n_pages * page - width)
+        paged = new if width == n_pages * page else F.pad(new, pad)
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
         into, words = as_words(store), as_words(pages)
         if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
             into, words = store, pages
         into[self.inputs.write_rows, step] = words
-        both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, 2, H, D)
+        both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
         start = both.size(1) - n_pages * page
         both[:, start : start + width] = new  # the trash page's slots hold other streams' frames
+        return both
+
+    def keys_values(self, new: Tensor) -> tuple[Tensor, Tensor]:
+        """New keys and values (ROWS*B, W, 2, H, D) -> keys, values (ROWS*B, H, (Pp + Wp) * page, D)
+        (``past_and_new``)."""
+        both = self.past_and_new(new)
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
@@ -128,16 +136,23 @@ class IncrementalEstimator:
     forward, except that causal convolutions take their left context from the cache instead of
     zeros, attention also sees the committed keys and values, and each block's three projections
     run as one matrix product (their weights concatenated once, here: build it after the weights
-    are loaded and cast).
+    are loaded and cast). With ``inputs`` the pool keeps each attention's normalised input instead
+    of its keys and values: the queries are projected from the new frames, the keys and values from
+    past and new frames together.
     """
 
-    def __init__(self, estimator: CausalConditionalDecoder):
+    def __init__(self, estimator: CausalConditionalDecoder, inputs: bool = False):
         self.est = estimator
-        self.qkv_weights = [
-            torch.cat([block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight]).detach()
-            for blocks in transformer_stages(estimator)
-            for block in blocks
+        self.inputs = inputs
+        blocks = [block for stage in transformer_stages(estimator) for block in stage]
+        projections = [
+            [block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight] for block in blocks
         ]
+        if inputs:
+            self.q_weights = [q.detach() for q, _, _ in projections]
+            self.kv_weights = [torch.cat([k, v]).detach() for _, k, v in projections]
+        else:
+            self.qkv_weights = [torch.cat(weights).detach() for weights in projections]
 
     def __call__(
         self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, io: _StepIO
@@ -174,12 +189,30 @@ class IncrementalEstimator:
         rb, width, _ = h.shape
         for block in blocks:
             attn = block.attn1
-            qkv = F.linear(block.norm1(h), self.qkv_weights[io.block]).view(rb, width, 3, attn.heads, -1)
-            k, v = io.keys_values(qkv[:, :, 1:])
-            q = qkv[:, :, 0].transpose(1, 2)
+            if self.inputs:
+                q, k, v = self._from_inputs(block.norm1(h), io)
+            else:
+                qkv = F.linear(block.norm1(h), self.qkv_weights[io.block]).view(rb, width, 3, attn.heads, -1)
+                k, v = io.keys_values(qkv[:, :, 1:])
+                q = qkv[:, :, 0].transpose(1, 2)
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=io.inputs.attn_mask)
             h = block.after_attention(h, attended)
         return h.transpose(1, 2)
+
+    def _from_inputs(self, normed: Tensor, io: _StepIO) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries of the new frames, keys and values of past and new frames, from the attention's
+        normalised input (ROWS*B, W, C). The input is cast first to the dtype the projections compute
+        in (autocast's, which is the pool's when serving), as an autocast projection casts it anyway,
+        so a frame's keys and values come out as they did when it was new."""
+        index = io.block
+        weights = self.q_weights[index]
+        heads = self.est.down_blocks[0][1][0].attn1.heads
+        normed = normed.to(autocast_dtype(normed.device) or weights.dtype)
+        rb, width, _ = normed.shape
+        q = F.linear(normed, weights).view(rb, width, heads, -1).transpose(1, 2)
+        seen = io.past_and_new(normed)  # (ROWS*B, (Pp + Wp) * page, C)
+        kv = F.linear(seen, self.kv_weights[index]).view(rb, seen.size(1), 2, heads, -1)
+        return q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
 
 def transformer_stages(estimator: CausalConditionalDecoder) -> list[nn.ModuleList]:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cosyapp.engine.token2wav.chunking import PRE_LOOKAHEAD, ChunkSchedule, HiFTOverlap, StreamingSpeedChange
-from cosyapp.engine.token2wav.flow_cache import FlowCache
+from cosyapp.engine.token2wav.pages import FlowCache
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
 

@@ -60,7 +60,8 @@ class Token2Wav:
     flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
     every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
     on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
-    chunked_final: see CachedFlow. step_frames: the padded rows x frames one step's flow call may
+    chunked_final: see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys
+    and values (pages.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
     streams (0, or -1 before the LM's). hift_graphs: replay HiFT calls from CUDA graphs
@@ -76,6 +77,7 @@ class Token2Wav:
         flow_cache_bytes: int | None = 0,
         flow_cache_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
+        flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs,
         step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
@@ -100,7 +102,7 @@ class Token2Wav:
         self._stopped = False
         self._stats = Token2WavStats()
         self.cached: CachedFlow | None = None
-        self._flow_cache = (flow_cache_bytes, flow_cache_graphs, chunked_final)
+        self._flow_cache = (flow_cache_bytes, flow_cache_graphs, chunked_final, flow_cache_inputs)
 
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
@@ -118,7 +120,9 @@ class Token2Wav:
                 self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
                 self._vocoder.start()
 
-    def _cached_flow(self, size: int | None, graphs: bool, chunked_final: bool) -> CachedFlow | None:
+    def _cached_flow(
+        self, size: int | None, graphs: bool, chunked_final: bool, inputs: bool
+    ) -> CachedFlow | None:
         dev = self.model.device
         if size is None:
             # Sized at start, when the LM engine holds its share: the pool is allocated at once.
@@ -126,7 +130,7 @@ class Token2Wav:
         if not size:
             return None
         dtype = self.autocast_dtype or self.model.flow.input_embedding.weight.dtype
-        return CachedFlow(self.model, size, dtype, graphs, chunked_final)
+        return CachedFlow(self.model, size, dtype, graphs, chunked_final, inputs)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
@@ -162,8 +166,8 @@ class Token2Wav:
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
-        graphs = self.cached.graph_counters() if self.cached is not None else {}
-        return replace(self._stats, queue_depth=len(self._queue), **graphs)
+        cached = self.cached.counters() if self.cached is not None else {}
+        return replace(self._stats, queue_depth=len(self._queue), **cached)
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
@@ -265,7 +269,10 @@ class Token2Wav:
         """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
         recompute call per (streaming, finalize) mode for the rest."""
         if self.cached is not None:
+            taken = len(jobs)
             jobs = self._incremental(jobs)
+            self._stats.incremental_jobs += taken - len(jobs)
+        self._stats.recompute_jobs += len(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
