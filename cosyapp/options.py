@@ -49,6 +49,9 @@ class ServeOptions:
     compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
         torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
         once, later starts read them from cache_dir/inductor.
+    gather_ms: how long the token2wav worker, woken from an empty queue, waits for jobs to stop
+        coming before it takes its step (at most 20 ms; engine/token2wav/scheduler.py): the chunks
+        that come due together at one LM step then share one flow call; 0 takes the first at once.
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
@@ -87,6 +90,7 @@ class ServeOptions:
     chunked_final: bool = False
     flow_cache_inputs: bool = False
     compile_flow: bool = False
+    gather_ms: float = 2.0
     overlap_hift: bool = True
     token2wav_priority: int = 0
     hift_graphs: bool = False
@@ -114,6 +118,7 @@ class ServeOptions:
             ("slowest_speech_rate", self.slowest_speech_rate >= 0, "must not be negative"),
             ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
+            ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),

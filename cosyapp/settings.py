@@ -39,6 +39,7 @@ class Settings:
     flow_cache_gb: float | None = DEFAULTS.flow_cache_gb
     chunked_final: bool = DEFAULTS.chunked_final
     flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs
+    gather_ms: float = DEFAULTS.gather_ms
     compile_flow: bool = DEFAULTS.compile_flow
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
@@ -191,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         "keys and values (2 x 512): four times the streams in the same memory, for a key/value "
         "projection over each stream's past in every call; the same audio (default: %(default)s; "
         "env COSYAPP_FLOW_CACHE_INPUTS)",
+    )
+    add(
+        "--gather-ms",
+        type=float,
+        default=float(_env("GATHER_MS", defaults.gather_ms)),
+        help="how long the token2wav worker, idle, waits for more chunks to come before its step (at most "
+        "20 ms), so chunks due at one LM step share a flow call; 0 = none (default: %(default)s; env "
+        "COSYAPP_GATHER_MS)",
     )
     add(
         "--compile-flow",

@@ -1,6 +1,7 @@
 """The token2wav worker's choice of jobs: earliest deadline first, bounded steps, streams in order."""
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -131,6 +132,47 @@ def test_take_waits_while_held_and_returns_none_once_closed(loop):
 
     assert loop.run_until_complete(main()) is None
     assert len(left) == 1 and len(queue) == 0
+
+
+def _take_while_putting(queue: JobQueue, jobs: list[Job], gap_s: float) -> tuple[list[Job], float]:
+    """An idle worker's ``take`` (on a thread) while ``jobs`` come one by one, ``gap_s`` apart;
+    returns its batch and how long it took from the first job."""
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append((queue.take(), time.monotonic())))
+    worker.start()
+    time.sleep(0.05)  # the worker waits on the empty queue
+    first = time.monotonic()
+    for job in jobs:
+        queue.put(job)
+        time.sleep(gap_s)
+    worker.join()
+    batch, at = taken[0]
+    return batch, at - first
+
+
+def test_an_idle_worker_gathers_the_jobs_that_come_together(loop):
+    jobs = [_job(loop, _stream(), 28) for _ in range(5)]
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.2, gather_max_s=5.0)
+    batch, _ = _take_while_putting(queue, jobs, gap_s=0.01)
+    assert batch == jobs
+    # Without gathering the first job leaves alone: the next comes after the worker has taken it.
+    jobs = [_job(loop, _stream(), 28) for _ in range(3)]
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.0)
+    batch, _ = _take_while_putting(queue, jobs, gap_s=0.1)
+    assert batch == jobs[:1] and len(queue) == 2
+
+
+def test_gathering_ends_at_its_cap_or_at_a_full_batch(loop):
+    # Jobs that never stop coming: the step leaves at the cap, long before the last job.
+    jobs = [_job(loop, _stream(), 28) for _ in range(60)]
+    queue = JobQueue(100, 10**6, _recompute_cost, gather_s=0.2, gather_max_s=0.1)
+    batch, after = _take_while_putting(queue, jobs, gap_s=0.02)
+    assert 1 <= len(batch) < 30 and after < 0.6
+    # A full batch leaves at once, whatever the quiet gap.
+    jobs = [_job(loop, _stream(), 28) for _ in range(4)]
+    queue = JobQueue(4, 10**6, _recompute_cost, gather_s=30.0, gather_max_s=30.0)
+    batch, after = _take_while_putting(queue, jobs, gap_s=0.0)
+    assert batch == jobs and after < 5.0
 
 
 def test_a_streams_first_audio_is_not_held_behind_a_huge_whole_clip(tiny_model):

@@ -38,6 +38,7 @@ VARIANT_FIELDS = (
     "flow_cache_gb",
     "chunked_final",
     "flow_cache_inputs",
+    "gather_ms",
     "overlap_hift",
     "max_batch",
     "token2wav_priority",

@@ -102,6 +102,7 @@ def _worker(pipeline: Pipeline) -> dict:
             "max_batch": t2w.max_batch,
             "overlap_hift": t2w.overlap_hift,
             "stream_priority": t2w.stream_priority,
+            "gather_ms": 1000 * t2w.gather_s,
             "flow_cache": t2w.cached is not None,
             "flow_cache_pages": t2w.cached.pool.pages if t2w.cached is not None else 0,
             "flow_cache_inputs": t2w.cached is not None and t2w.cached.pool.inputs,

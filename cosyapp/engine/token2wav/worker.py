@@ -61,7 +61,8 @@ class Token2Wav:
     every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
     on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys
-    and values (pages.py). step_frames: the padded rows x frames one step's flow call may
+    and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
+    (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
     streams (0, or -1 before the LM's). hift_graphs: replay HiFT calls from CUDA graphs
@@ -78,6 +79,7 @@ class Token2Wav:
         flow_cache_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
         flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs,
+        gather_ms: float = DEFAULTS.gather_ms,
         step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
@@ -91,7 +93,8 @@ class Token2Wav:
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
         self.step_frames = step_frames or max_batch * STEP_FRAMES_PER_ROW
-        self._queue = JobQueue(max_batch, self.step_frames, self._cost)
+        self.gather_s = gather_ms / 1000
+        self._queue = JobQueue(max_batch, self.step_frames, self._cost, self.gather_s)
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift = overlap_hift
         self.hift_runner = HiFTRunner(model.hift, hift_graphs)
@@ -110,7 +113,7 @@ class Token2Wav:
             self.cached = self._cached_flow(*self._flow_cache)
         if self._thread is None:
             if self._stopped:  # started again after stop(), which closed the queue
-                self._queue = JobQueue(self.max_batch, self.step_frames, self._cost)
+                self._queue = JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s)
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
