@@ -109,6 +109,9 @@ def tiny_engine(request, loop, tiny_model, tiny_model_dir, tmp_path_factory):
     folder = export_for_vllm(
         tiny_model.lm, tiny_model_dir, tmp_path_factory.mktemp("export"), dtype=torch.float32
     )
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # as before any engine: each placement must freeze them itself
     lm = start_engine(loop, folder, tiny_model.lm.sampling, request.param)
     yield lm
     loop.run_until_complete(lm.shutdown())
@@ -121,6 +124,15 @@ class TestTinyModel:
         request = LMRequest("plugin", prompt(tiny_model.lm, seed=0), min_tokens=0, max_tokens=5, seed=0)
         tokens = loop.run_until_complete(collect(tiny_engine, request))
         assert 0 < len(tokens) <= 5 and all(0 <= t < 6561 for t in tokens)
+
+    def test_vllm_s_variables_are_frozen_once_the_engine_is_up(self, tiny_engine, monkeypatch):
+        """Each decoded token's output reads vLLM variables in this process: once the engine is up
+        they are read once, not from the environment at every access."""
+        import vllm.envs
+
+        assert vllm.envs.VLLM_COMPUTE_NANS_IN_LOGITS is False
+        monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
+        assert vllm.envs.VLLM_COMPUTE_NANS_IN_LOGITS is False
 
     def test_greedy_tokens_match_the_pytorch_lm(self, tiny_engine, loop, tiny_model):
         from vllm import SamplingParams as VllmSamplingParams
