@@ -26,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ class AudioChunk:
 
     ``note`` is set, on a chunk of no samples, when a sentence or the request reached its audio
     budget: what was cut, in words for the user. ``times``, on a sentence's first chunk: when it
-    passed each stage on its way (``Stream.first_chunk_times``), for the benchmark's TTFA breakdown."""
+    passed each stage on its way (the request's text ready and its admission, then
+    ``Stream.first_chunk_times``), for the benchmark's TTFA breakdown."""
 
     samples: np.ndarray
     sample_rate: int
@@ -228,18 +230,20 @@ class Pipeline(ServingFront):
         """
         request.validate(self.text.max_chars)  # cheap rules first, before the text is prepared
         sentences, prompt, seen = await self._prepare(request)
+        stamps = {"prepared": time.monotonic()}  # the request's way to its first chunk (AudioChunk.times)
         seed = secrets.randbits(63) if request.seed is None else request.seed
         budget = self.budget.request()
         async with contextlib.aclosing(sentences):
             await self.start()
             async with self.admission.slot(request.client):
+                stamps["admitted"] = time.monotonic()
                 record = self.metrics.begin(request.request_id, request.mode)
                 status = "failed"
                 try:
                     index = 0
                     async for sentence in sentences:
                         async for chunk in self._sentence_audio(
-                            request, prompt, seen, sentence, index, seed, record, budget
+                            request, prompt, seen, sentence, index, seed, record, budget, stamps
                         ):
                             yield chunk
                         if budget.left <= 0:
@@ -276,8 +280,10 @@ class Pipeline(ServingFront):
         seed: int,
         record: RequestRecord,
         budget: RequestBudget,
+        stamps: dict[str, float],
     ) -> AsyncGenerator[AudioChunk, None]:
         """One sentence's chunks, then a note chunk if it reached its limit; spends the budget.
+        ``stamps``: the request's times before its first sentence (added to the first chunk's).
 
         The LM request's tokens (at most the budget's cap, in the request and here), or in voice
         conversion (``seen`` None) the source's tokens, go through a token2wav stream in ``prompt``."""
@@ -307,6 +313,8 @@ class Pipeline(ServingFront):
             async for samples in audio:
                 self.metrics.audio(record, len(samples) / self.sample_rate)
                 times, first = (stream.first_chunk_times() if first else None), False
+                if times is not None:
+                    times = {**stamps, **times}
                 yield AudioChunk(samples, self.sample_rate, index, times=times)
         budget.spend(cap.made)
         if note is not None and cap.made >= max_tokens:
