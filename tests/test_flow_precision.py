@@ -49,21 +49,27 @@ def test_a_whole_pass_is_bit_identical(flows, streaming):
 
 
 def test_incremental_calls_are_bit_identical(flows):
-    speech, feat, emb = prompt(30, seed=2)
+    p = prompt(30, seed=2)
     tokens = torch.randint(0, 6561, (80,), generator=torch.Generator().manual_seed(3))
-    outputs = []
-    for flow in flows:
-        est = raw_estimator(flow)
-        pool = KVPool(est, pages=16, steps=flow.decoder.n_timesteps, device=torch.device("cpu"), dtype=DTYPE)
-        cache, frames = FlowCache(), []
-        for n, final in ((28, False), (53, False), (80, True)):
-            item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
-            with torch.autocast("cpu", dtype=DTYPE):
-                [(mel, _)] = IncrementalFlow(flow, pool, graphs=True)([item])
-            frames.append(mel)
-        outputs.append(frames)
+    calls = ((28, False), (53, False), (80, True))
+    outputs = [incremental_mels(flow, p, tokens, calls) for flow in flows]
     for a, b in zip(*outputs, strict=True):
         assert torch.equal(a, b)
+
+
+def incremental_mels(flow, p, tokens, calls, inputs: bool = False) -> list[torch.Tensor]:
+    """One stream's incremental calls under autocast, padded to graph buckets: each call's mel."""
+    speech, feat, emb = p
+    est = raw_estimator(flow)
+    steps = flow.decoder.n_timesteps
+    pool = KVPool(est, pages=16, steps=steps, device=torch.device("cpu"), dtype=DTYPE, inputs=inputs)
+    cache, frames = FlowCache(), []
+    for n, final in calls:
+        item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
+        with torch.autocast("cpu", dtype=DTYPE):
+            [(mel, _)] = IncrementalFlow(flow, pool, graphs=True)([item])
+        frames.append(mel)
+    return frames
 
 
 def test_the_reference_path_runs_under_the_stored_dtype(tiny_model, flows):
@@ -90,20 +96,10 @@ def test_a_pool_of_attention_inputs_gives_the_keys_and_values_pool_s_frames(flow
     projecting it again at every call gives the keys and values kept before: the same frames (bit
     for bit on this CPU) across four calls of one stream."""
     _, cast = flows
-    speech, feat, emb = prompt(30, seed=5)
+    p = prompt(30, seed=5)
     tokens = torch.randint(0, 6561, (130,), generator=torch.Generator().manual_seed(6))
-    outputs = []
-    for inputs in (False, True):
-        est = raw_estimator(cast)
-        steps = cast.decoder.n_timesteps
-        pool = KVPool(est, pages=16, steps=steps, device=torch.device("cpu"), dtype=DTYPE, inputs=inputs)
-        cache, frames = FlowCache(), []
-        for n, final in ((28, False), (53, False), (103, False), (130, True)):
-            item = FlowItem(cache, speech, feat, emb, tokens[:n], final)
-            with torch.autocast("cpu", dtype=DTYPE):
-                [(mel, _)] = IncrementalFlow(cast, pool, graphs=True)([item])
-            frames.append(mel)
-        outputs.append(frames)
+    calls = ((28, False), (53, False), (103, False), (130, True))
+    outputs = [incremental_mels(cast, p, tokens, calls, inputs) for inputs in (False, True)]
     for a, b in zip(*outputs, strict=True):
         assert a.abs().max() > 0
         assert torch.equal(a, b)
