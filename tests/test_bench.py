@@ -15,7 +15,7 @@ import torch
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
 from cosyapp.bench.resources import ResourceSampler, busiest, nvml_device
-from cosyapp.bench.stats import FIRST_CHUNK_STAGES, playback_underruns
+from cosyapp.bench.stats import FIRST_CHUNK_STAGES, playback_underruns, stalls_by_chunk
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -251,6 +251,9 @@ def test_playback_underruns_count_each_gap_and_its_stall():
     assert playback_underruns(chunks) == (1, pytest.approx(0.5))
     assert playback_underruns([(0.2, 0.1), (0.5, 0.1), (0.9, 0.1)]) == (2, pytest.approx(0.5))
     assert playback_underruns([]) == (0, 0.0)
+    # By the late chunk's index, over requests: the third chunk above (0.5 s), the second and third below.
+    by_chunk = stalls_by_chunk([chunks, [(0.2, 0.1), (0.5, 0.1), (0.9, 0.1)]])
+    assert by_chunk == {"1": pytest.approx(0.2), "2": pytest.approx(0.8)}
 
 
 def test_the_bench_voice_is_offered_by_name_from_the_model_folder(tiny_model_dir, tmp_path):

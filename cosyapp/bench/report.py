@@ -84,6 +84,9 @@ def row(level: dict) -> str:
         f"underruns {level['underrun_events']} in {level['streams_with_underruns']} streams "
         f"({level['stall_s_total']:.2f} s)"
     )
+    late = level.get("stall_s_by_chunk")
+    if late:
+        underruns += " late chunks " + ", ".join(f"#{index} {stall:.1f} s" for index, stall in late.items())
     parts = [head, latency, throughput, underruns]
     stages = level.get("stages")
     if stages:

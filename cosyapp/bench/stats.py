@@ -63,20 +63,35 @@ class RequestResult:
         return sum(seconds for _, seconds in self.chunks)
 
 
-def playback_underruns(chunks: list[tuple[float, float]]) -> tuple[int, float]:
-    """(underrun events, stall seconds) of a player that starts at the first chunk and, whenever the
-    next chunk arrives after the audio delivered so far has finished playing, waits for it."""
-    events, stall = 0, 0.0
+def playback_stalls(chunks: list[tuple[float, float]]) -> list[tuple[int, float]]:
+    """(index, stall seconds) of each chunk a player waited for: it starts at the first chunk and,
+    whenever the next chunk arrives after the audio delivered so far has finished playing, waits."""
+    stalls = []
     ends = None  # when the audio delivered so far finishes playing
-    for arrival, seconds in chunks:
+    for index, (arrival, seconds) in enumerate(chunks):
         if ends is None:
             ends = arrival
         elif arrival > ends:
-            events += 1
-            stall += arrival - ends
+            stalls.append((index, arrival - ends))
             ends = arrival
         ends += seconds
-    return events, stall
+    return stalls
+
+
+def playback_underruns(chunks: list[tuple[float, float]]) -> tuple[int, float]:
+    """(underrun events, stall seconds) of ``playback_stalls``."""
+    stalls = playback_stalls(chunks)
+    return len(stalls), sum(stall for _, stall in stalls)
+
+
+def stalls_by_chunk(results: list[list[tuple[float, float]]]) -> dict[str, float]:
+    """Stall seconds summed by the index of the late chunk (as the client received the pieces: the
+    engine's chunks for the in-process driver), over every request's chunks."""
+    by_index: dict[int, float] = {}
+    for chunks in results:
+        for index, stall in playback_stalls(chunks):
+            by_index[index] = by_index.get(index, 0.0) + stall
+    return {str(index): by_index[index] for index in sorted(by_index)}
 
 
 def summarize(results: list[RequestResult], wall: float) -> dict:
@@ -103,6 +118,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "underrun_events": sum(events for events, _ in underruns),
         "streams_with_underruns": sum(1 for events, _ in underruns if events),
         "stall_s_total": sum(stall for _, stall in underruns),
+        "stall_s_by_chunk": stalls_by_chunk([r.chunks for r in done]),
         "first_chunk_p50": first_chunk_summary(done),
         **player_summary(done),
     }
