@@ -219,6 +219,25 @@ def test_metrics_record_first_audio_and_tokens(served, loop):
     assert snap["lm_max_batch_size"] >= 1 and "gpu_memory_gb" in snap
 
 
+def test_metrics_show_the_flow_cache_and_its_chunk_jobs(served, loop):
+    async def body(pipeline, voice):
+        # Its own worker with a page pool (off on a CPU by default) and its own metrics.
+        worker = Token2Wav(pipeline.model, flow_cache_bytes=64 << 20)
+        door = Pipeline(pipeline.model, pipeline.text, pipeline.lm, worker)
+        worker.start()
+        try:
+            await door.synthesize(SynthesisRequest(SHORT, voice, seed=1, streaming=True))
+            return door.metrics.snapshot(), worker.stats()
+        finally:
+            worker.stop()
+
+    snap, stats = run(served, loop, body)
+    assert snap["flow_cache_pages"] == stats.flow_cache_pages > 0
+    assert 0 < snap["flow_cache_free_pages"] < snap["flow_cache_pages"]  # the voice's pages stay held
+    assert snap["flow_incremental_jobs"] >= 1 and snap["flow_recompute_jobs"] == 1  # the last chunk
+    assert snap["flow_cache_fallbacks"] == 0
+
+
 def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
     model, text, _ = parts
 

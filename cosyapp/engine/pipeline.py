@@ -137,6 +137,13 @@ class Pipeline(ServingFront):
             lm_max_batch_size=lambda: self.lm.stats().max_batch_size,
             token2wav_batch_size=lambda: self.token2wav.stats().last_flow_batch,
             token2wav_max_batch_size=lambda: self.token2wav.stats().max_flow_batch,
+            # The incremental flow's pool (0 without one) and its chunk jobs by path: a stream the
+            # pool cannot hold recomputes its prefix for each later chunk.
+            flow_cache_pages=lambda: self.token2wav.stats().flow_cache_pages,
+            flow_cache_free_pages=lambda: self.token2wav.stats().flow_cache_free_pages,
+            flow_cache_fallbacks=lambda: self.token2wav.stats().flow_cache_fallbacks,
+            flow_incremental_jobs=lambda: self.token2wav.stats().incremental_jobs,
+            flow_recompute_jobs=lambda: self.token2wav.stats().recompute_jobs,
             gpu_memory_gb=_gpu_memory_gb,
         )
 

@@ -69,6 +69,7 @@ class CachedFlow:
         pool = {
             "flow_cache_fallbacks": self.fallbacks,
             "flow_cache_pages": self.pool.pages,
+            "flow_cache_free_pages": self.pool.free_pages,
             "flow_cache_least_free": self.pool.least_free,
         }
         graphs = self.flow.graphs

@@ -25,9 +25,11 @@ class Token2WavStats:
     graph_capture_seconds: float = 0.0
     # Chunk jobs by flow path: incremental (from a stream's pages) or recomputed over the prefix (whole
     # clips, upstream's full-attention last chunks, streams the pool could not serve); the times the
-    # pool could not serve a stream; its pages and the fewest ever free at once (0 without a pool).
+    # pool could not serve a stream; its pages, those free now and the fewest ever free at once (0
+    # without a pool).
     incremental_jobs: int = 0
     recompute_jobs: int = 0
     flow_cache_fallbacks: int = 0
     flow_cache_pages: int = 0
+    flow_cache_free_pages: int = 0
     flow_cache_least_free: int = 0
