@@ -19,8 +19,7 @@ clip (recompute path, full attention) and every incremental chunk call of the sc
 TFLOP/s, the largest difference compiled against eager (fp16), and the first calls' time, which
 holds the compile (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
 
-FLOW_CACHE_INPUTS=1: the pools keep attention inputs instead of keys and values (--flow-cache-inputs);
-FLOW_CACHE_BATCHES=1,64: only these batch sizes.
+FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
 """
 
 import copy
@@ -116,9 +115,7 @@ def flops(fn) -> float:
 def start_caches(flow, pool, v, batch: int) -> list[FlowCache]:
     speech, feat, emb = v
     seed = FlowCache()
-    prompt_item = FlowItem(
-        seed, speech, feat, emb, speech[:0], False, commit_to=voice_frames(PROMPT, 25, 3, 2)
-    )
+    prompt_item = FlowItem(seed, speech, feat, emb, speech[:0], False, voice_frames(PROMPT, 25, 3, 2))
     with autocast():
         IncrementalFlow(flow, pool)([prompt_item])
     caches = []
@@ -395,12 +392,7 @@ def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emi
 
 
 def mean_ms(fn, repeats: int = 3) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / repeats * 1000
+    return timed(lambda: [fn() for _ in range(repeats)])[1] / repeats
 
 
 if __name__ == "__main__":

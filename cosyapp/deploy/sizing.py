@@ -17,7 +17,7 @@ a seventh of a stream's pages, so they always fit). Rounding to 4 makes every ca
 import math
 from dataclasses import dataclass
 
-from cosyapp.engine.token2wav.worker import FLOW_CACHE_SHARE
+from cosyapp.engine.token2wav.cached import FLOW_CACHE_SHARE
 from cosyapp.settings import CARD_SIZED
 
 GIB = 2**30

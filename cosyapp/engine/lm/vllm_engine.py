@@ -246,12 +246,10 @@ class VllmSpeechLM:
             )
         else:
             self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=stat_loggers)
-        # vLLM reads its environment variables afresh at every access (os.getenv) until the service
-        # is up, when its engine process and its API server freeze them. This process handles every
-        # decoded token's output, whose statistics read one such variable per request and step: at
-        # 256 requests on this workstation's CPU that was most of vLLM's output handling on the event
-        # loop (docs/benchmarks/README.md). Freeze them here too once the engine is up (the in-process
-        # engine core already has). Nothing here changes a vLLM variable after start.
+        # vLLM reads its variables through os.getenv at every access until its engine process and API
+        # server freeze them. This process handles every token's output, whose statistics read one per
+        # request and step: most of vLLM's output handling on the event loop at 256 requests on a CPU
+        # (docs/benchmarks/README.md). Freeze them here too (the in-process engine core already has).
         import vllm.envs
 
         if hasattr(vllm.envs, "enable_envs_cache"):

@@ -23,6 +23,10 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 
 logger = logging.getLogger(__name__)
 VOICE_SHARE = 4  # at most 1/4 of the pool holds voices' prompt pages
+# Of the GPU memory free once the LM engine has started, what the incremental flow's pages take by
+# default; the rest is for flow and HiFT activations and the CUDA graphs (measured on an H200 with
+# vLLM at 0.3: a 70 GB pool beside 64 streams).
+FLOW_CACHE_SHARE = 0.7
 CAPTURE_POLL_S = 0.02  # how often the capture thread looks for missed graph buckets
 
 
@@ -58,6 +62,24 @@ class CachedFlow:
         self._capturing = False
         kept = "attention inputs" if inputs else "keys and values"
         logger.info("incremental streaming flow: %d pages of %d frames (%s)", pages, self.pool.page, kept)
+
+    @classmethod
+    def sized(
+        cls,
+        model: CosyVoice2,
+        size: int | None,
+        dtype: torch.dtype,
+        graphs: bool,
+        chunked_final: bool,
+        inputs: bool,
+    ) -> "CachedFlow | None":
+        """The worker's incremental flow over a pool of ``size`` bytes; None = FLOW_CACHE_SHARE of the
+        GPU memory free now (the worker starts after the LM engine holds its share; off on a CPU).
+        None when that comes to nothing: every chunk then recomputes its prefix."""
+        dev = model.device
+        if size is None:
+            size = int(FLOW_CACHE_SHARE * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
+        return cls(model, size, dtype, graphs, chunked_final, inputs) if size else None
 
     @property
     def missed_graphs(self) -> int:

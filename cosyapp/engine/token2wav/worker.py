@@ -43,10 +43,6 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
 logger = logging.getLogger(__name__)
-# Of the GPU memory free once the LM engine has started, what the incremental flow's pages take by
-# default; the rest is for flow and HiFT activations and the CUDA graphs (measured on an H200 with
-# vLLM at 0.3: a 70 GB pool beside 64 streams).
-FLOW_CACHE_SHARE = 0.7
 # Finished flow steps waiting for the HiFT thread before the flow thread waits too.
 HANDOFF_STEPS = 1
 
@@ -58,8 +54,8 @@ class Token2Wav:
     its alignment pad (25 as upstream; see ChunkSchedule for smaller values). autocast_dtype: run
     the flow under autocast (fp16/bf16 on CUDA); HiFT always runs in float32, as upstream.
     flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
-    every chunk's prefix as upstream, None = FLOW_CACHE_SHARE of the GPU memory free at start() (off
-    on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
+    every chunk's prefix as upstream, None = cached.FLOW_CACHE_SHARE of the GPU memory free at
+    start() (off on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys
     and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
     (scheduler.py). step_frames: the padded rows x frames one step's flow call may
@@ -105,12 +101,20 @@ class Token2Wav:
         self._stopped = False
         self._stats = Token2WavStats()
         self.cached: CachedFlow | None = None
-        self._flow_cache = (flow_cache_bytes, flow_cache_graphs, chunked_final, flow_cache_inputs)
+        dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
+        self._flow_cache = (
+            model,
+            flow_cache_bytes,
+            dtype,
+            flow_cache_graphs,
+            chunked_final,
+            flow_cache_inputs,
+        )
 
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
         if self.cached is None:
-            self.cached = self._cached_flow(*self._flow_cache)
+            self.cached = CachedFlow.sized(*self._flow_cache)
         if self._thread is None:
             if self._stopped:  # started again after stop(), which closed the queue
                 self._queue = JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s)
@@ -122,18 +126,6 @@ class Token2Wav:
             if self.overlap_hift:
                 self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
                 self._vocoder.start()
-
-    def _cached_flow(
-        self, size: int | None, graphs: bool, chunked_final: bool, inputs: bool
-    ) -> CachedFlow | None:
-        dev = self.model.device
-        if size is None:
-            # Sized at start, when the LM engine holds its share: the pool is allocated at once.
-            size = int(FLOW_CACHE_SHARE * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
-        if not size:
-            return None
-        dtype = self.autocast_dtype or self.model.flow.input_embedding.weight.dtype
-        return CachedFlow(self.model, size, dtype, graphs, chunked_final, inputs)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of a graphed flow estimator for the dtype this worker runs it in
