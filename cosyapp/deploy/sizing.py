@@ -10,7 +10,7 @@ docs/benchmarks/, "estimate" ones are not measured):
                      rounded down to a multiple of 4
 
 The other 30 % of free holds the flow and HiFT activations (ACTIVATIONS_PER_STREAM_GIB, measured, is
-a seventh of a stream's pages, so they always fit). Rounding to 4 makes every card of one class
+an eighth of a stream's pages, so they always fit). Rounding to 4 makes every card of one class
 (ECC and driver reserves differ by a few hundred MB) get the same default.
 """
 
@@ -27,9 +27,10 @@ OWN_FIXED_GIB = 4.0  # measured: this process's peak allocation at one stream, e
 OVERHEAD_GIB = 1.5  # estimate: the CUDA contexts of this process and vLLM's engine process
 ACTIVATIONS_PER_STREAM_GIB = 0.11  # measured: whole 10.4 s clips, 1 -> 64 streams, 4.04 -> 10.86 GiB
 PAGE_BYTES = 114_688_000  # measured: one 50-frame page of the flow cache, fp16 (flow-cache JSONs)
-# Derived: a 10.4 s sentence after a 3 s prompt holds frames 150-500 (7 pages) until its final
-# chunk; the prompt's 3 pages are shared by the voice's streams.
-PAGES_PER_STREAM = 7
+# Derived: a 10.4 s sentence after a 3 s prompt holds frames 100-500 (8 pages) until its final
+# chunk; the voice's streams share the prompt's first 2 pages (the third is within the first
+# generated tokens' lookahead, so each stream computes its own: flow_cache.py voice_frames).
+PAGES_PER_STREAM = 8
 STREAM_CAP = 64  # measured: past 64 streams the H200 is compute-bound (every stream stalls at 128)
 
 
