@@ -190,7 +190,7 @@ class IncrementalEstimator:
         for block in blocks:
             attn = block.attn1
             if self.inputs:
-                q, k, v = self._from_inputs(block.norm1(h), io)
+                q, k, v = self._from_inputs(block.norm1(h), attn.heads, io)
             else:
                 qkv = F.linear(block.norm1(h), self.qkv_weights[io.block]).view(rb, width, 3, attn.heads, -1)
                 k, v = io.keys_values(qkv[:, :, 1:])
@@ -199,14 +199,13 @@ class IncrementalEstimator:
             h = block.after_attention(h, attended)
         return h.transpose(1, 2)
 
-    def _from_inputs(self, normed: Tensor, io: _StepIO) -> tuple[Tensor, Tensor, Tensor]:
+    def _from_inputs(self, normed: Tensor, heads: int, io: _StepIO) -> tuple[Tensor, Tensor, Tensor]:
         """Queries of the new frames, keys and values of past and new frames, from the attention's
         normalised input (ROWS*B, W, C). The input is cast first to the dtype the projections compute
         in (autocast's, which is the pool's when serving), as an autocast projection casts it anyway,
         so a frame's keys and values come out as they did when it was new."""
         index = io.block
         weights = self.q_weights[index]
-        heads = self.est.down_blocks[0][1][0].attn1.heads
         normed = normed.to(autocast_dtype(normed.device) or weights.dtype)
         rb, width, _ = normed.shape
         q = F.linear(normed, weights).view(rb, width, heads, -1).transpose(1, 2)

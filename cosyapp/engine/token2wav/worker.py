@@ -102,19 +102,13 @@ class Token2Wav:
         self._stats = Token2WavStats()
         self.cached: CachedFlow | None = None
         dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
-        self._flow_cache = (
-            model,
-            flow_cache_bytes,
-            dtype,
-            flow_cache_graphs,
-            chunked_final,
-            flow_cache_inputs,
-        )
+        flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
+        self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
 
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
         if self.cached is None:
-            self.cached = CachedFlow.sized(*self._flow_cache)
+            self.cached = self._cached_flow()
         if self._thread is None:
             if self._stopped:  # started again after stop(), which closed the queue
                 self._queue = JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s)
@@ -264,9 +258,7 @@ class Token2Wav:
         """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
         recompute call per (streaming, finalize) mode for the rest."""
         if self.cached is not None:
-            taken = len(jobs)
             jobs = self._incremental(jobs)
-            self._stats.incremental_jobs += taken - len(jobs)
         self._stats.recompute_jobs += len(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
@@ -291,7 +283,9 @@ class Token2Wav:
             rest = [job for job in jobs if job not in taken and job.stream.live]
 
             def run(batch: list[Job]) -> None:
-                rest.extend(self._timed(cached.run, batch))
+                refused = self._timed(cached.run, batch)
+                self._stats.incremental_jobs += len(batch) - len(refused)
+                rest.extend(refused)
 
             for jobs_round in rounds(taken):
                 for final in (False, True):
