@@ -359,3 +359,6 @@ def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):
     assert workers == [(None, 25, 64), (None, 25, 64), ("hop15", 15, 2), ("hop15", 15, 2)]
     assert all(lv["flow_max_batch"] <= 2 for lv in result["levels"] if lv.get("variant"))
     assert "[hop15] pipeline" in done.stdout
+    # Each level was also kept as a JSON line the moment it was measured, in the same order.
+    kept = [json.loads(line) for line in (tmp_path / "variants-levels.jsonl").read_text().splitlines()]
+    assert kept == levels

@@ -292,10 +292,11 @@ def _engine_log(out: Path) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark of the command line ``argv`` and write its JSON and plots."""
-    from cosyapp.bench.run import run
+    from cosyapp.bench.run import levels_file, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    levels_file(args.out).unlink(missing_ok=True)
     with _engine_log(args.out):
         result = asyncio.run(run(args))
     result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}

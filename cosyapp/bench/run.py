@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import gc
 import itertools
+import json
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -129,6 +130,7 @@ async def _measure_all(
             with decoding_ratio(pipeline.model, text.ratio):
                 level = await measure(driver, text, mode == "stream", clients, served_here, progress.update)
             levels.append(level)
+            _keep(args, level)
             progress.write(row(level))
         if args.baselines:
             progress.set_description("baselines")
@@ -162,9 +164,21 @@ async def _measure_variant(
             with decoding_ratio(pipeline.model, text.ratio):
                 level = await measure(driver, text, mode == "stream", clients, pipeline, progress.update)
             levels.append(level | {"variant": name})
+            _keep(args, levels[-1])
             progress.write(row(levels[-1]))
     await driver.close()
     return levels
+
+
+def levels_file(out: Path) -> Path:
+    """Where a run keeps each level as one JSON line as soon as it is measured (emptied at its start),
+    so a run stopped part way (a time limit, a crash at a later level) keeps the levels it finished."""
+    return out.with_name(f"{out.stem}-levels.jsonl")
+
+
+def _keep(args: argparse.Namespace, level: dict) -> None:
+    with levels_file(args.out).open("a") as file:
+        file.write(json.dumps(level) + "\n")
 
 
 def _drivers(names: list[str], pipeline: Pipeline, url: str | None) -> list[Driver]:
