@@ -122,3 +122,26 @@ def test_the_default_sizes_the_pool_at_start_and_is_off_on_a_cpu(tiny_model):
         assert engine.cached.pool.free_pages == 3
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_freeing_a_stopped_pool_leaves_no_tensor_on_its_memory(tiny_model, graphs):
+    """The bench swaps workers in one process: free() must give the pool's memory back even while
+    something still refers to the old worker (here the test itself)."""
+    import gc
+
+    import torch
+
+    async def main(engine):
+        await streams(engine, SPECS[:2])
+        return engine.cached
+
+    cached = _run(tiny_model, main, flow_cache_bytes=POOL, flow_cache_graphs=graphs)
+    assert (cached.flow.graphs is not None) == graphs
+    storage = cached.pool.kv.untyped_storage().data_ptr()
+    cached.free()
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    on_pool = [t for t in tensors if t.untyped_storage().data_ptr() == storage]
+    assert not on_pool
+    assert cached.pool.kv.numel() == 0 and cached.pool.free_pages == 0

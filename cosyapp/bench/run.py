@@ -146,6 +146,10 @@ async def _measure_variant(
     warms up as at start-up. Each level is marked with the variant's ``name``."""
     old = pipeline.token2wav
     await asyncio.to_thread(old.stop)
+    if old.cached is not None:
+        # On a GPU the old pool stayed allocated after the collection below (an H100 run sized the
+        # next pool from what was left and then ran out of memory): free it outright.
+        old.cached.free()
     pipeline.token2wav = build_token2wav(pipeline.model, options)
     del old
     gc.collect()  # the incremental flow's page pool goes before the new worker sizes its own

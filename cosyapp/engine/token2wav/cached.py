@@ -126,6 +126,14 @@ class CachedFlow:
             self._capturer.join()
             self._capturer = None
 
+    def free(self) -> None:
+        """Stop the captures and give the pool's and the graphs' GPU memory back now, whatever still
+        refers to this object (a worker swapped for another in one process: the bench's variants)."""
+        self.stop_captures()
+        if self.flow.graphs is not None:
+            self.flow.graphs.free()
+        self.pool.free()
+
     def serves(self, job: Job) -> bool:
         """Whether ``job`` would go the incremental way, as far as is known before ``takes``."""
         stream = job.stream

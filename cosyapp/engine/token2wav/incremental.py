@@ -314,6 +314,13 @@ class IncrementalGraphs:
         graph.graph.replay()
         return graph.x.clone(), graph.tails.clone()
 
+    def free(self) -> None:
+        """Drop every graph and kept input, and the pool they read (their flow is stopped for good)."""
+        with self._lock:
+            self._graphs.clear()
+            self._missed.clear()
+            self.kv = self.kv.new_empty(0)
+
     def capture_missed(self) -> bool:
         """Capture one bucket a call met since (under the autocast it ran with); False when none was
         waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the

@@ -66,6 +66,12 @@ class KVPool:
         self.least_free = pages  # the fewest pages ever free at once
         self._lock = threading.Lock()  # pages are released from the event loop's side too
 
+    def free(self) -> None:
+        """Give the pool's memory back now, for good (its worker is stopped): no page is left."""
+        with self._lock:
+            self.kv = self.kv.new_empty(0)
+            self._free.clear()
+
     @staticmethod
     def page_bytes(
         estimator: CausalConditionalDecoder, steps: int, dtype: torch.dtype, inputs: bool = False
