@@ -63,7 +63,9 @@ def fit_to_host(settings: Settings) -> tuple[Settings, str | None]:
     if provide_vllm_plugin(settings.cache_dir / "vllm-plugin"):
         log.info("cosyapp is not installed: vLLM finds its plugin in %s", settings.cache_dir / "vllm-plugin")
     given = {name: None if name in settings.card_sized else getattr(settings, name) for name in CARD_SIZED}
-    sizing = size_for_card(*card, flow_cache_gb=settings.flow_cache_gb, **given)
+    sizing = size_for_card(
+        *card, flow_cache_gb=settings.flow_cache_gb, flow_cache_inputs=settings.flow_cache_inputs, **given
+    )
     log.info("%s", sizing.describe())
     sized = {name: getattr(sizing, name) for name in CARD_SIZED}
     return replace(settings, **sized, card=sizing), None

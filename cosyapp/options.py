@@ -45,7 +45,8 @@ class ServeOptions:
         instead of upstream's full attention over the whole sentence (docs/model.md §8.7).
     flow_cache_inputs: the flow cache keeps each attention's normalised input instead of its keys
         and values: four times the frames per byte at full size, for a key/value projection over
-        each stream's past in every call; the same audio (engine/token2wav/pages.py).
+        each stream's past in every call; the same audio (engine/token2wav/pages.py). On by default
+        (measured: docs/benchmarks/README.md); False keeps keys and values.
     compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
         torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
         once, later starts read them from cache_dir/inductor.
@@ -88,7 +89,7 @@ class ServeOptions:
     cuda_graphs: bool = True
     flow_cache_gb: float | None = None
     chunked_final: bool = False
-    flow_cache_inputs: bool = False
+    flow_cache_inputs: bool = True
     compile_flow: bool = False
     gather_ms: float = 2.0
     overlap_hift: bool = True

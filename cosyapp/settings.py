@@ -79,8 +79,8 @@ def _env(name: str, default: object) -> str | None:
     return value if value is not None else (None if default is None else str(default))
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(f"COSYAPP_{name}", "0").lower() in ("1", "true", "yes")
+def _flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(f"COSYAPP_{name}", "1" if default else "0").lower() in ("1", "true", "yes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--flow-cache-inputs",
         action=argparse.BooleanOptionalAction,
-        default=_flag("FLOW_CACHE_INPUTS"),
+        default=_flag("FLOW_CACHE_INPUTS", defaults.flow_cache_inputs),
         help="the incremental streaming flow keeps each attention's input (256 channels) instead of its "
         "keys and values (2 x 512): four times the streams in the same memory, for a key/value "
         "projection over each stream's past in every call; the same audio (default: %(default)s; "

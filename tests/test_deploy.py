@@ -56,7 +56,7 @@ def test_given_options_stay_as_given_and_the_rest_is_sized():
     assert sizing.sized == ("gpu_memory_utilization",)
     assert "up to 100 streams (given)" in sizing.describe()
     smaller_share = size_for_card("NVIDIA L4", 22.0, gpu_memory_utilization=0.5)
-    assert smaller_share.max_streams == 4 and smaller_share.sized == ("max_streams",)
+    assert smaller_share.max_streams == 8 and smaller_share.sized == ("max_streams",)
 
 
 def test_without_the_flow_cache_only_activations_bound_the_streams():
@@ -68,16 +68,36 @@ def test_without_the_flow_cache_only_activations_bound_the_streams():
 def test_a_small_card_gives_vllm_its_minimum_and_fewer_streams():
     sizing = size_for_card("NVIDIA T4", 14.6)
     assert sizing.gpu_memory_utilization * 14.6 == pytest.approx(6.0)
-    assert sizing.max_streams == 2
+    assert sizing.max_streams == 8
+    assert size_for_card("NVIDIA T4", 14.6, flow_cache_inputs=False).max_streams == 2
+
+
+@pytest.mark.parametrize(
+    "memory, streams", [(22.0, 8), (24.0, 8), (39.0, 16), (40.0, 16), (79.0, 40), (80.0, 40), (139.8, 64)]
+)
+def test_keys_and_values_hold_a_quarter_of_the_streams_per_page(memory, streams):
+    """--no-flow-cache-inputs: a stream's pages are four times the bytes, so they bound the streams."""
+    inputs, kv = size_for_card("card", memory), size_for_card("card", memory, flow_cache_inputs=False)
+    assert kv.max_streams == streams and kv.flow_cache_gib == inputs.flow_cache_gib
+    assert inputs.max_streams >= kv.max_streams
+
+
+def test_with_attention_inputs_the_activations_bound_a_small_cards_streams():
+    from cosyapp.deploy.sizing import ACTIVATIONS_PER_STREAM_GIB, stream_pages_gib
+
+    sizing = size_for_card("NVIDIA L4", 22.0)
+    by_pages = sizing.flow_cache_gib / stream_pages_gib()
+    rest = sizing.flow_cache_gib / 0.7 * 0.3  # what the pool leaves of the free memory
+    assert by_pages > 30 and sizing.max_streams <= rest / ACTIVATIONS_PER_STREAM_GIB < by_pages
 
 
 def test_a_card_too_small_for_the_model_says_what_it_needs():
-    assert 12.6 < minimum_gib() < 12.8
+    assert 11.8 < minimum_gib() < 11.9 and 12.6 < minimum_gib(inputs=False) < 12.8
     size_for_card("card", minimum_gib() + 0.01)
     with pytest.raises(CardTooSmall) as error:
         size_for_card("NVIDIA GeForce RTX 3060", 11.8)
     message = str(error.value)
-    assert "has 11.8 GiB; cosyapp needs about 12.7 GiB" in message and "--device cpu" in message
+    assert "has 11.8 GiB; cosyapp needs about 11.9 GiB" in message and "--device cpu" in message
     # Both options given: the operator decides, no refusal.
     assert size_for_card("card", 8.0, gpu_memory_utilization=0.3, max_streams=1).max_streams == 1
 

@@ -10,14 +10,16 @@ from test_token2wav import _as_lm, _prompt, _run, _tokens
 from cosyapp.engine.token2wav.flow_cache import raw_estimator
 from cosyapp.engine.token2wav.pages import KVPool
 from cosyapp.engine.token2wav.worker import Token2Wav
+from cosyapp.options import DEFAULTS
 
 POOL = 64 << 20  # bytes: plenty of pages for the tiny model
 
 
-def page_bytes(model) -> int:
-    return KVPool.page_bytes(
-        raw_estimator(model.flow), model.flow.decoder.n_timesteps, model.flow.input_embedding.weight.dtype
-    )
+def page_bytes(model, inputs: bool = DEFAULTS.flow_cache_inputs) -> int:
+    """One page of the pool a worker builds by default (attention inputs, or keys and values)."""
+    flow = model.flow
+    dtype = flow.input_embedding.weight.dtype
+    return KVPool.page_bytes(raw_estimator(flow), flow.decoder.n_timesteps, dtype, inputs)
 
 
 async def streams(engine: Token2Wav, specs: list[tuple[int, int, int, float]]) -> list[list[np.ndarray]]:

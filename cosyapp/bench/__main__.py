@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
     add(
         "--flow-cache-inputs",
-        action="store_true",
-        help="the flow cache keeps attention inputs, not keys and values (as serve's flag)",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.flow_cache_inputs,
+        help="the flow cache keeps attention inputs, not keys and values (as serve's flag; "
+        "default: %(default)s)",
     )
     add(
         "--compile-flow",
