@@ -29,7 +29,7 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine
+from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.models.checkpoint import load_model, pick_device
 from cosyapp.options import ServeOptions
@@ -218,7 +218,7 @@ def _measures(driver: Driver, mode: str) -> bool:
 async def _baselines(pipeline: Pipeline, text: TextSet, args: argparse.Namespace, on_done) -> dict[str, dict]:
     voice = bench_voice(pipeline.text)
     top = max(args.clients)
-    with decoding_ratio(pipeline.model, text.ratio):
+    with decoding_ratio(pipeline.model, text.ratio), lm_beside(pipeline.model):
         return {
             "a_sequential_reference": await base.sequential_reference(
                 pipeline, voice, text, args.baseline_clients, on_done

@@ -1,7 +1,9 @@
 """Assemble the one Pipeline of a process from a loaded model and its ServeOptions."""
 
+import contextlib
 import importlib.util
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -40,6 +42,12 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
     on_gpu = model.device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     folder = export_for_vllm(model.lm, model.model_dir, options.cache_dir / "vllm", dtype=dtype)
+    if on_gpu:
+        # vLLM serves from its exported copy. The PyTorch LM is left only the prompt's embeddings
+        # (row lookups, the same values on the host) and the bench's baselines (lm_beside): its 2 GB
+        # go back to the GPU for the flow cache, and no request thread waits on the GPU for them.
+        model.lm.to("cpu")
+        torch.cuda.empty_cache()
     return VllmSpeechLM(
         folder,
         model.lm.sampling,
@@ -54,6 +62,20 @@ def build_lm_engine(model: CosyVoice2, options: ServeOptions) -> SpeechTokenLM:
         stream_interval=options.lm_stream_interval,
         sampler_graphs=options.lm_sampler_graphs and on_gpu,
     )
+
+
+@contextlib.contextmanager
+def lm_beside(model: CosyVoice2) -> Iterator[None]:
+    """The PyTorch LM on the model's device for the block, wherever it waited (build_lm_engine moves it
+    to the host while vLLM serves); for what runs the PyTorch LM itself (the bench's baselines)."""
+    home = model.lm.llm_embedding.weight.device
+    model.lm.to(model.device)
+    try:
+        yield
+    finally:
+        model.lm.to(home)
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
