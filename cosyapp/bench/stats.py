@@ -15,9 +15,9 @@ STAGES = ("lm", "flow", "hift")
 QUANTILES = (50, 90, 99)
 # The first chunk's time to first audio, stage by stage: (stage, from stamp, to stamp) of
 # Stream.first_chunk_times, with the request's start before them and its receipt after; the stages
-# add up to the TTFA. text: the text and voice prepared (text thread, wetext process); admission:
-# waiting for a slot; lm_prompt: the LM's prompt embeddings (a worker thread), the LM request made;
-# lm_first_tokens: prefill;
+# add up to the TTFA. text: the text and voice prepared (in a text lane: its thread, its wetext
+# process); admission: waiting for a slot; lm_prompt: the LM's prompt embeddings (a worker thread),
+# the LM request made; lm_first_tokens: prefill;
 # lm_chunk_tokens: decoding the rest of the chunk's tokens; flow_queue / hift_queue: waiting for
 # the worker's stage; delivery: back to the event loop and the client.
 FIRST_CHUNK_STAGES = (
