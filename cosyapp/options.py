@@ -50,6 +50,8 @@ class ServeOptions:
     compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
         torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
         once, later starts read them from cache_dir/inductor.
+    text_lanes: texts prepared at once (engine/text_workers.py: a thread and a wetext process each);
+        0 = one per 4 CPU cores, 1 to 4.
     gather_ms: how long the token2wav worker, woken from an empty queue, waits for jobs to stop
         coming before it takes its step (at most 20 ms; engine/token2wav/scheduler.py): the chunks
         that come due together at one LM step then share one flow call; 0 takes the first at once.
@@ -92,6 +94,7 @@ class ServeOptions:
     flow_cache_inputs: bool = True
     compile_flow: bool = False
     gather_ms: float = 2.0
+    text_lanes: int = 0
     overlap_hift: bool = True
     token2wav_priority: int = 0
     hift_graphs: bool = False
@@ -120,6 +123,7 @@ class ServeOptions:
             ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
+            ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),
             ("flow_dtype", self.flow_dtype in (None, *FLOW_DTYPES), f"must be one of {FLOW_DTYPES}"),

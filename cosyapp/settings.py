@@ -40,6 +40,7 @@ class Settings:
     chunked_final: bool = DEFAULTS.chunked_final
     flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs
     gather_ms: float = DEFAULTS.gather_ms
+    text_lanes: int = DEFAULTS.text_lanes
     compile_flow: bool = DEFAULTS.compile_flow
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
@@ -192,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         "keys and values (2 x 512): four times the streams in the same memory, for a key/value "
         "projection over each stream's past in every call; the same audio (default: %(default)s; "
         "env COSYAPP_FLOW_CACHE_INPUTS)",
+    )
+    add(
+        "--text-lanes",
+        type=int,
+        default=int(_env("TEXT_LANES", defaults.text_lanes)),
+        help="texts prepared at once, each in a thread and a wetext process of its own; 0 = one per 4 CPU "
+        "cores, up to 4 (default: %(default)s; env COSYAPP_TEXT_LANES)",
     )
     add(
         "--gather-ms",

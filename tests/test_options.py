@@ -29,7 +29,7 @@ def test_the_command_line_choices_reach_the_options():
 
     argv = ["--engine", "torch", "--max-streams", "8", "--gpu-memory-utilization", "0.5", "--first-hop", "15"]
     argv += ["--max-text-chars", "900", "--cache-dir", "cache"]
-    argv += ["--lm-in-process", "--token2wav-priority", "-1"]
+    argv += ["--lm-in-process", "--token2wav-priority", "-1", "--text-lanes", "2"]
     assert parse_settings(argv).serve_options() == replace(
         DEFAULTS,
         engine="torch",
@@ -41,6 +41,7 @@ def test_the_command_line_choices_reach_the_options():
         cache_dir=Path("cache"),
         lm_in_process=True,
         token2wav_priority=-1,
+        text_lanes=2,
     )
 
 
@@ -85,6 +86,7 @@ def test_engine_constructors_default_to_the_options(constructor, parameter, opti
         ({"max_batch": 0}, "max_batch must be at least 1"),
         ({"flow_dtype": "int8"}, "flow_dtype must be one of"),
         ({"token2wav_priority": 1}, "token2wav_priority must be 0 or -1"),
+        ({"text_lanes": -1}, "text_lanes must be between 0"),
     ],
 )
 def test_an_option_out_of_range_is_refused_with_its_rule(change, message):

@@ -46,6 +46,15 @@ def test_a_host_gets_a_lane_per_four_cores_up_to_the_cap():
     assert [default_lanes(c) for c in (1, 2, 4, 7, 8, 16, 128)] == [1, 1, 1, 1, 2, 4, MAX_LANES]
 
 
+def test_the_option_sets_the_pipelines_lanes(tiny_model):
+    from cosyapp.engine.build import build_pipeline
+    from cosyapp.options import ServeOptions
+
+    assert build_pipeline(tiny_model, ServeOptions(engine="torch", text_lanes=3)).text_workers.lanes == 3
+    auto = build_pipeline(tiny_model, ServeOptions(engine="torch"))
+    assert auto.text_workers.lanes == default_lanes()
+
+
 def test_concurrent_requests_use_several_lanes_and_get_what_one_lane_gives(frontend):
     voice = bench_voice(frontend)
     want, _ = prepared(TextWorkers(frontend, lanes=1), voice, TEXTS)

@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--chunked-final", action="store_true", help="with --flow-cache-gb: incremental last chunk")
     add(
+        "--text-lanes",
+        type=int,
+        default=DEFAULTS.text_lanes,
+        help="texts prepared at once (as serve's flag; 0 = one per 4 cores; default: %(default)s)",
+    )
+    add(
         "--flow-cache-inputs",
         action=argparse.BooleanOptionalAction,
         default=DEFAULTS.flow_cache_inputs,
@@ -220,6 +226,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             lm_in_process=args.lm_in_process,
             lm_stream_interval=args.lm_stream_interval,
             lm_sampler_graphs=args.lm_sampler_graphs,
+            text_lanes=args.text_lanes,
             slowest_speech_rate=0,  # the load decodes its set token counts, far past a spoken pace
         )
     except OptionError as e:
