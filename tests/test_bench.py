@@ -16,6 +16,7 @@ from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.load import TOKENS_PER_SECOND, bench_voice, write_speaker
 from cosyapp.bench.resources import ResourceSampler, busiest, nvml_device
 from cosyapp.bench.stats import FIRST_CHUNK_STAGES, playback_underruns, stalls_by_chunk
+from cosyapp.engine.text_workers import default_lanes
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -341,13 +342,13 @@ def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):
     command = [
         sys.executable, "-m", "cosyapp.bench", "--device", "cpu", "--drivers", "pipeline",
         "--texts", "tokens", "--tokens", "100", "--modes", "stream", "--clients", "1,2",
-        "--first-hop", "25", "--variant", "hop15:first_hop=15,max_batch=2",
+        "--first-hop", "25", "--variant", "hop15:first_hop=15,max_batch=2,text_lanes=2",
         "--workdir", str(tmp_path / "work"), "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["variants"] == {"hop15": {"first_hop": 15, "max_batch": 2}}
+    assert result["variants"] == {"hop15": {"first_hop": 15, "max_batch": 2, "text_lanes": 2}}
     levels = result["levels"]
     marks = [(lv.get("variant"), lv["clients"]) for lv in levels]
     assert marks == [(None, 1), (None, 2), ("hop15", 1), ("hop15", 2)]
@@ -357,6 +358,8 @@ def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):
     # Each level says which worker served it: the variant's own.
     workers = [(lv.get("variant"), lv["worker"]["first_hop"], lv["worker"]["max_batch"]) for lv in levels]
     assert workers == [(None, 25, 64), (None, 25, 64), ("hop15", 15, 2), ("hop15", 15, 2)]
+    lanes = [lv["worker"]["text_lanes"] for lv in levels]
+    assert lanes[:2] == [default_lanes()] * 2 and lanes[2:] == [2, 2]
     assert all(lv["flow_max_batch"] <= 2 for lv in result["levels"] if lv.get("variant"))
     assert "[hop15] pipeline" in done.stdout
     # Each level was also kept as a JSON line the moment it was measured, in the same order.

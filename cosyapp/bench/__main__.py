@@ -31,8 +31,9 @@ from cosyapp.bench.report import plot_paths, write_plots
 from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
-# The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav).
-# compile_flow and flow_dtype are not among them: they change the model's flow in place.
+# The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav)
+# and the text lanes. compile_flow and flow_dtype are not among them: they change the model's flow
+# in place.
 VARIANT_FIELDS = (
     "first_hop",
     "flow_cache_gb",
@@ -43,6 +44,7 @@ VARIANT_FIELDS = (
     "max_batch",
     "token2wav_priority",
     "hift_graphs",
+    "text_lanes",
 )
 SMOKE = {
     "clients": "1,2",
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
-        help="after the levels, swap in a token2wav worker with these options (fields: "
+        help="after the levels, swap in a token2wav worker and text lanes with these options (fields: "
         f"{', '.join(VARIANT_FIELDS)}) and measure the pipeline driver's levels again on the same LM "
         "engine; repeatable, e.g. --variant serial-hift:overlap_hift=false --variant hop15:first_hop=15",
     )

@@ -94,7 +94,8 @@ async def measure(
 
 
 def _worker(pipeline: Pipeline) -> dict:
-    """The options of the token2wav worker that served the level (a --variant swaps it)."""
+    """The options of the token2wav worker and the text lanes that served the level (a --variant swaps
+    them)."""
     t2w = pipeline.token2wav
     return {
         "worker": {
@@ -107,5 +108,6 @@ def _worker(pipeline: Pipeline) -> dict:
             "flow_cache_pages": t2w.cached.pool.pages if t2w.cached is not None else 0,
             "flow_cache_inputs": t2w.cached is not None and t2w.cached.pool.inputs,
             "flow_dtype": str(t2w.autocast_dtype) if t2w.autocast_dtype else None,
+            "text_lanes": pipeline.text_workers.lanes,
         }
     }

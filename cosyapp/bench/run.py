@@ -31,6 +31,7 @@ from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
 from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside
 from cosyapp.engine.pipeline import Pipeline
+from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.models.checkpoint import load_model, pick_device
 from cosyapp.options import ServeOptions
 
@@ -141,9 +142,13 @@ async def _measure_all(
 async def _measure_variant(
     args: argparse.Namespace, pipeline: Pipeline, options: ServeOptions, name: str, texts: list[TextSet]
 ) -> list[dict]:
-    """The pipeline driver's levels again with a token2wav worker built from ``options``, on the same
-    LM engine: the old worker is stopped and its memory freed, the new one captures its graphs and
-    warms up as at start-up. Each level is marked with the variant's ``name``."""
+    """The pipeline driver's levels again with a token2wav worker and text lanes built from
+    ``options``, on the same LM engine: the old worker is stopped and its memory freed, the new one
+    captures its graphs and warms up as at start-up. Each level is marked with the variant's
+    ``name``."""
+    pipeline.text_workers.close()
+    pipeline.text_workers = TextWorkers(pipeline.text, options.text_lanes or None)
+    await pipeline.text_workers.start()
     old = pipeline.token2wav
     await asyncio.to_thread(old.stop)
     if old.cached is not None:
