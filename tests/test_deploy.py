@@ -83,11 +83,11 @@ def test_keys_and_values_hold_a_quarter_of_the_streams_per_page(memory, streams)
 
 
 def test_with_attention_inputs_the_activations_bound_a_small_cards_streams():
-    from cosyapp.deploy.sizing import ACTIVATIONS_PER_STREAM_GIB, stream_pages_gib
+    from cosyapp.deploy.sizing import ACTIVATIONS_PER_STREAM_GIB, FLOW_CACHE_SHARE, stream_pages_gib
 
     sizing = size_for_card("NVIDIA L4", 22.0)
     by_pages = sizing.flow_cache_gib / stream_pages_gib()
-    rest = sizing.flow_cache_gib / 0.7 * 0.3  # what the pool leaves of the free memory
+    rest = sizing.flow_cache_gib / FLOW_CACHE_SHARE * (1 - FLOW_CACHE_SHARE)  # what the pool leaves
     assert by_pages > 30 and sizing.max_streams <= rest / ACTIVATIONS_PER_STREAM_GIB < by_pages
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cosyapp.deploy.sizing import PAGE_BYTES
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
 from cosyapp.engine.token2wav.incremental import as_words
@@ -210,3 +211,6 @@ def test_a_page_of_attention_inputs_holds_a_quarter_of_the_bytes_at_full_size():
     assert transformer_count(est) == 56
     assert KVPool.page_bytes(est, 10, torch.float16) == 56 * 10 * 2 * 50 * (2 * 8 * 64) * 2 == 114_688_000
     assert KVPool.page_bytes(est, 10, torch.float16, inputs=True) == 56 * 10 * 2 * 50 * 256 * 2
+    # The deploy sizing keeps these page sizes as constants, as measured: they are the formula's.
+    for inputs in (True, False):
+        assert PAGE_BYTES[inputs] == KVPool.page_bytes(est, 10, torch.float16, inputs=inputs)

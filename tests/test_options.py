@@ -61,6 +61,7 @@ def test_the_benchmark_defaults_are_the_options_defaults():
         ("cosyapp.engine.token2wav.worker:Token2Wav", "stream_priority", "token2wav_priority"),
         ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
         ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
+        ("cosyapp.engine.pipeline:Pipeline", "text_lanes", "text_lanes"),
         ("cosyapp.engine.lm.torch_engine:TorchSpeechLM", "max_batch", "max_batch"),
         ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "gpu_memory_utilization", "gpu_memory_utilization"),
         ("cosyapp.engine.lm.vllm_engine:VllmSpeechLM", "max_num_seqs", "max_streams"),

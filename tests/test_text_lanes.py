@@ -71,14 +71,17 @@ def test_concurrent_requests_use_several_lanes_and_get_what_one_lane_gives(front
 
 def test_a_closed_request_leaves_no_call_counted(frontend):
     voice = bench_voice(frontend)
-    workers = TextWorkers(frontend, lanes=2)
+    workers = TextWorkers(frontend, lanes=1)
     long_text = " ".join(TEXTS)[:4900]  # several blocks: the next one is prepared while one is read
 
     async def main():
         try:
-            sentences, _ = await workers.prepare(long_text, voice)
-            await anext(sentences)
-            await sentences.aclose()  # the block prepared ahead is dropped or finishes unread
+            first, _ = await workers.prepare(long_text, voice)
+            second, _ = await workers.prepare(long_text, voice)
+            await anext(first)  # the first request's next block is being prepared ...
+            await anext(second)  # ... so the second's waits behind it in the one lane
+            await second.aclose()  # cancelled before it began: it never runs, and is counted out
+            await first.aclose()  # this one's block finishes unread
             for _ in range(200):
                 if all(lane.waiting == 0 for lane in workers._lanes):
                     return True

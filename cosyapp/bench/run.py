@@ -147,7 +147,7 @@ async def _measure_variant(
     captures its graphs and warms up as at start-up. Each level is marked with the variant's
     ``name``."""
     pipeline.text_workers.close()
-    pipeline.text_workers = TextWorkers(pipeline.text, options.text_lanes or None)
+    pipeline.text_workers = TextWorkers(pipeline.text, options.text_lanes)
     await pipeline.text_workers.start()
     old = pipeline.token2wav
     await asyncio.to_thread(old.stop)

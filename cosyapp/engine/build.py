@@ -109,7 +109,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
         max_streams=options.max_streams,
         max_waiting=options.max_waiting,
         budget=AudioBudget(options.slowest_speech_rate, options.max_request_audio_s),
-        text_lanes=options.text_lanes or None,
+        text_lanes=options.text_lanes,
     )
 
 

@@ -120,11 +120,11 @@ class Pipeline(ServingFront):
         max_waiting: int = DEFAULTS.max_waiting,
         metrics: Metrics | None = None,
         budget: AudioBudget = NO_BUDGET,
-        text_lanes: int | None = None,
+        text_lanes: int = DEFAULTS.text_lanes,
     ):
         self.model = model
         self.text = text
-        self.text_workers = TextWorkers(text, text_lanes)  # None: default_lanes()
+        self.text_workers = TextWorkers(text, text_lanes)
         self.lm = lm
         self.token2wav = token2wav
         self.metrics = metrics or Metrics()

@@ -60,10 +60,10 @@ class TextWorkers:
     engine threads, which a fork would copy half-way.
     """
 
-    def __init__(self, text: TextFrontend, lanes: int | None = None):
+    def __init__(self, text: TextFrontend, lanes: int = 0):
+        """``lanes``: 0 = ``default_lanes()`` (ServeOptions.text_lanes)."""
         self.text = text
-        self._lanes = [_Lane(self, text, i) for i in range(lanes or default_lanes())]
-        self._lock = threading.Lock()  # lane choice (the loop) against the counts the threads lower
+        self._lanes = [_Lane(text, i) for i in range(lanes or default_lanes())]
 
     @property
     def lanes(self) -> int:
@@ -110,8 +110,7 @@ class TextWorkers:
             ahead.cancel()  # a block not started is dropped; one in the thread finishes unread
 
     def _least_busy(self) -> "_Lane":
-        with self._lock:
-            return min(self._lanes, key=lambda lane: lane.waiting)
+        return min(self._lanes, key=lambda lane: lane.waiting)
 
     def close(self) -> None:
         """Stop every lane's thread and process (idempotent)."""
@@ -122,23 +121,24 @@ class TextWorkers:
 class _Lane:
     """One text thread, its wetext process and its own frontend (module docstring)."""
 
-    def __init__(self, workers: TextWorkers, text: TextFrontend, index: int):
-        self.workers, self.index = workers, index
+    def __init__(self, text: TextFrontend, index: int):
+        self.index = index
         self.frontend = text.with_normalizers(_InProcess(self, "zh"), _InProcess(self, "en"))
         if index:  # the first lane keeps the tokenizer; the others get their own
             self.frontend.tokenizer = copy.deepcopy(text.tokenizer)
         self.waiting = 0  # calls submitted to the thread and not finished
+        self._lock = threading.Lock()  # the loop raises the count, the thread's callbacks lower it
         self._thread: ThreadPoolExecutor | None = None
         self._process: ProcessPoolExecutor | None = None
 
     def run(self, work, *args) -> asyncio.Future:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"text-{self.index}")
-        with self.workers._lock:
+        with self._lock:
             self.waiting += 1
 
         def done(call: concurrent.futures.Future) -> None:  # ran, failed, or cancelled before it began
-            with self.workers._lock:
+            with self._lock:
                 self.waiting -= 1
 
         call = self._thread.submit(work, *args)

@@ -216,7 +216,7 @@ class IncrementalFlow:
         self.flow, self.pool = flow, pool
         self.step_fn = IncrementalEstimator(raw_estimator(flow), pool.inputs)
         cfg_rate = flow.decoder.inference_cfg_rate
-        self.graphs = IncrementalGraphs(self.step_fn, pool.kv, cfg_rate) if graphs else None
+        self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
 
     @torch.inference_mode()
     def __call__(self, items: list[FlowItem]) -> list[tuple[Tensor, int]] | None:

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from cosyapp.models.flow_estimator import (
     autocast_dtype,
     time_embedding,
 )
+
+if TYPE_CHECKING:  # pages.py imports this module
+    from cosyapp.engine.token2wav.pages import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +273,8 @@ class IncrementalGraphs:
     captures and then replays, holding the flow thread meanwhile.
     """
 
-    def __init__(self, step_fn: IncrementalEstimator, kv: Tensor, cfg_rate: float, defer: bool = True):
-        self.step_fn, self.kv, self.cfg_rate = step_fn, kv, cfg_rate
+    def __init__(self, step_fn: IncrementalEstimator, pool: "KVPool", cfg_rate: float, defer: bool = True):
+        self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
         self.defer = defer
         self._graphs: dict[tuple, _Graph] = {}
         # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
@@ -289,7 +293,7 @@ class IncrementalGraphs:
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
         if not inputs.x.is_cuda:
-            return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
+            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
         key = (
             *inputs.attn_mask.shape,
             inputs.attn_mask.dtype,
@@ -308,18 +312,17 @@ class IncrementalGraphs:
                     copied.record()
                     self._missed[key] = (kept, copied)
             self.eager_calls += 1
-            return run_cfm(self.step_fn, self.kv, inputs, self.cfg_rate)
+            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
         graph = graph or self._capture(key, inputs)
         graph.inputs.copy_(inputs)
         graph.graph.replay()
         return graph.x.clone(), graph.tails.clone()
 
     def free(self) -> None:
-        """Drop every graph and kept input, and the pool they read (their flow is stopped for good)."""
+        """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
         with self._lock:
             self._graphs.clear()
             self._missed.clear()
-            self.kv = self.kv.new_empty(0)
 
     def capture_missed(self) -> bool:
         """Capture one bucket a call met since (under the autocast it ran with); False when none was
@@ -359,12 +362,12 @@ class IncrementalGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
-                run_cfm(self.step_fn, self.kv, static, self.cfg_rate)
+                run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
         torch.cuda.current_stream(dev).wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            x, tails = run_cfm(self.step_fn, self.kv, static, self.cfg_rate)
+            x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
         captured = _Graph(graph, static, x, tails)
