@@ -5,15 +5,20 @@ fallback for pages without AudioWorklet reports every chunk it schedules."""
 
 import base64
 import io
+import threading
+import time
+from contextlib import contextmanager
 
+import gradio as gr
 import numpy as np
 import soundfile as sf
+from conftest import free_port
 from gradio.utils import diff
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_ui_browser import open_app
 
 from cosyapp.codec import pcm16
-from cosyapp.web.ui.player import PlayerFeed
+from cosyapp.web.ui.player import PlayerFeed, stop_players_js, stream_player
 
 # Four chunks from the tiny model (first chunk, then 2 s, 4 s and the rest), seconds apart on a CPU.
 LONG_TEXT = "今天天气很好。我们去公园散步吧。然后回家吃饭。晚上一起看电影。明天早上再去跑步。"
@@ -137,6 +142,50 @@ def test_stop_cancels_the_server_work_and_the_playback(page, ui):
     page.wait_for_timeout(600)
     assert report(page)["played"] == position  # nothing more is played
     assert report(page)["done"] is False  # the stream never finished
+
+
+@contextmanager
+def one_player_app(stopped: threading.Event):
+    """A page with only a streaming player, a Go button that streams a tone chunk by chunk for 30 s
+    (``stopped`` is set once the stream's generator is closed) and a Stop button that cancels it. The
+    player's own ``stop_on`` matches nothing on the page: only the Stop event's js can stop it."""
+
+    def tone():
+        feed = PlayerFeed(24_000)
+        try:
+            for _ in range(60):
+                yield feed.add(np.full(12_000, 0.1, np.float32), ttfa=0.05)
+                time.sleep(0.5)
+        finally:
+            stopped.set()
+
+    with gr.Blocks() as demo:
+        player = stream_player(24_000, start_on="#go", stop_on="#nothing-here", elem_id="lone")
+        go, halt = gr.Button("Go", elem_id="go"), gr.Button("Stop", elem_id="halt")
+        streaming = go.click(tone, None, player)
+        halt.click(None, None, None, cancels=[streaming], queue=False, js=stop_players_js("lone"))
+    port = free_port()
+    demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+def test_the_stop_buttons_event_stops_the_players_it_names(page):
+    stopped = threading.Event()
+    with one_player_app(stopped) as url:
+        page.goto(url)
+        lone = "#lone .cosy-player"
+        made = "(sel) => document.querySelector(sel)?.dataset.output"
+        page.wait_for_function(made, arg=lone, timeout=30_000)
+        page.locator("#go").click()
+        page.wait_for_function(
+            "(sel) => ['playing', 'buffering'].includes(document.querySelector(sel).dataset.state)", arg=lone
+        )
+        page.locator("#halt").click()
+        page.wait_for_function("(sel) => document.querySelector(sel).dataset.state === 'stopped'", arg=lone)
+        assert stopped.wait(10)  # and the server's stream was cancelled
 
 
 def test_two_pages_at_once_each_hear_their_own_audio(browser, ui):

@@ -38,7 +38,7 @@ from cosyapp.web.ui.events import Handlers, as_toast, client_address, request_st
 from cosyapp.web.ui.form import SpeechForm
 from cosyapp.web.ui.inputs import hand_on
 from cosyapp.web.ui.modes import ModeHandlers
-from cosyapp.web.ui.player import PlayerFeed, stream_player
+from cosyapp.web.ui.player import PlayerFeed, stop_players_js, stream_player
 
 if TYPE_CHECKING:  # the page's modules import no torch
     from cosyapp.engine.pipeline import Pipeline
@@ -366,7 +366,8 @@ def wire_compare(handlers: Handlers, section: CompareSection, form: dict, concur
         api_name="compare",
         **concurrency,
     )
-    section.stop.click(None, None, None, cancels=[running], queue=False, api_name=False)
+    players = stop_players_js(*(player.elem_id for player in rows.players))
+    section.stop.click(None, None, None, cancels=[running], queue=False, api_name=False, js=players)
 
     quiet = {"queue": False, "show_progress": "hidden", "api_name": False}
     for voice, mode, instruction, outputs in zip(

@@ -24,7 +24,7 @@ from cosyapp.web.ui.gallery import Gallery, voice_gallery, wire_gallery
 from cosyapp.web.ui.inputs import hand_on, isolate_requests
 from cosyapp.web.ui.modes import ModeTabs, tag_buttons, wire_modes
 from cosyapp.web.ui.panel import build_panel
-from cosyapp.web.ui.player import stream_player
+from cosyapp.web.ui.player import stop_players_js, stream_player
 from cosyapp.web.ui.prompt import OTHER_FORMATS, PromptHandlers, wire_prompt
 
 CLIP_BATCH = 16
@@ -238,7 +238,8 @@ def build_demo(service: Service) -> gr.Blocks:
             concurrency_limit=CLIP_BATCHES_AT_ONCE,
             concurrency_id="speak_clip",
         )
-        stop.click(None, None, None, cancels=[speaking, clip], queue=False, api_name=False)
+        stopping = stop_players_js("player")
+        stop.click(None, None, None, cancels=[speaking, clip], queue=False, api_name=False, js=stopping)
         wire_modes(
             handlers,
             mode_tabs,

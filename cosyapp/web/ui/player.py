@@ -86,6 +86,17 @@ def stream_player(sample_rate: int, start_on: str, stop_on: str, **kwargs) -> gr
     )
 
 
+def stop_players_js(*elem_ids: str) -> str:
+    """The ``js`` of a Stop button's event: stop the players with these elem ids.
+
+    Each player also stops on a click matching its ``stop_on`` (a capture listener on the page), but
+    the button's own event is what cancels the stream on the server; stopping the players there as
+    well ties the two together: a cancelled stream never keeps playing. Stopping twice is harmless.
+    """
+    selectors = json.dumps([f"#{elem_id} .cosy-player" for elem_id in elem_ids])
+    return f"() => {{ for (const s of {selectors}) document.querySelector(s)?.cosyPlayer?.stop(); }}"
+
+
 @dataclass
 class PlayerFeed:
     """The player's value for one stream, built up chunk by chunk.

@@ -382,6 +382,9 @@ function base64Of(chunks) {
 }
 
 root.cosyPlayer = {
+  // the Stop button's own Gradio event calls this as well (player.py stop_players_js), so the player
+  // stops whenever Gradio cancels the stream, whatever this page's click listener saw
+  stop,
   // what happened in the current run: the bench's and the tests' window into the player
   report: () => ({
     run,
