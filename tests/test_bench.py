@@ -66,6 +66,10 @@ def test_smoke_records_where_and_how_it_ran(smoke):
     assert result["options"]["clients"] == [1, 2] and result["options"]["modes"] == ["stream", "whole"]
     assert result["options"]["baselines"] is True
     assert result["engine_options"]["first_hop"] == "25"
+    # the start's phases, in order (no warm-up on a CPU); the phases fit in the whole start
+    phases = result["startup_phases_s"]
+    assert list(phases) == ["lm", "text_workers", "flow_graphs"] and min(phases.values()) >= 0
+    assert sum(phases.values()) <= result["startup_s"]
 
 
 def test_every_driver_received_exactly_the_audio_the_text_decodes(smoke, tmp_path):

@@ -95,6 +95,7 @@ async def run(args: argparse.Namespace) -> dict:
         "server": args.url or ("own server, this process" if http else None),
         "voice": VOICE_ID,
         "startup_s": startup,
+        "startup_phases_s": pipeline.startup_s if local else None,
         "variants": args.variants,
         "texts": {text.name: text.describe(pipeline.text) for text in texts},
         "levels": levels,

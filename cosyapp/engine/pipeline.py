@@ -27,7 +27,7 @@ import functools
 import hashlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +132,7 @@ class Pipeline(ServingFront):
         self.admission = FairAdmission(max_streams, max_waiting, on_reject=self.metrics.rejected)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
+        self.startup_s: dict[str, float] = {}  # seconds each phase of start() took, in order
         self.metrics.gauges.update(
             queue_depth=lambda: self.admission.waiting,
             lm_batch_size=lambda: self.lm.stats().last_batch_size,
@@ -166,13 +167,18 @@ class Pipeline(ServingFront):
         async with self._start_lock:
             if self._started:
                 return
-            await self.lm.start()
-            await self.text_workers.start()
-            await asyncio.to_thread(self.token2wav.capture_graphs)
+            phases = self.startup_s
+            with _timed(phases, "lm"):
+                await self.lm.start()
+            with _timed(phases, "text_workers"):
+                await self.text_workers.start()
+            with _timed(phases, "flow_graphs"):
+                await asyncio.to_thread(self.token2wav.capture_graphs)
             self.token2wav.start()
             self._started = True
             if warm_up:
-                await self.warm_up_token2wav()
+                with _timed(phases, "warm_up"):
+                    await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
         """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once (in
@@ -366,3 +372,13 @@ async def _given(items: list) -> AsyncGenerator:
 
 def _gpu_memory_gb() -> float:
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Record in ``phases[name]`` how long the block took (seconds), also when it raises."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = time.perf_counter() - started
