@@ -50,6 +50,8 @@ class ServeOptions:
     compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
         torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
         once, later starts read them from cache_dir/inductor.
+    compile_hift: run each of HiFT's Snake activations as one kernel compiled by torch.compile
+        (engine/token2wav/fused.py fuse_hift) instead of five; cached as compile_flow's.
     text_lanes: texts prepared at once (engine/text_workers.py: a thread and a wetext process each);
         0 = one per 4 CPU cores, 1 to 4.
     gather_ms: how long the token2wav worker, woken from an empty queue, waits for jobs to stop
@@ -93,6 +95,7 @@ class ServeOptions:
     chunked_final: bool = False
     flow_cache_inputs: bool = True
     compile_flow: bool = False
+    compile_hift: bool = False
     gather_ms: float = 2.0
     text_lanes: int = 0
     overlap_hift: bool = True

@@ -42,6 +42,7 @@ class Settings:
     gather_ms: float = DEFAULTS.gather_ms
     text_lanes: int = DEFAULTS.text_lanes
     compile_flow: bool = DEFAULTS.compile_flow
+    compile_hift: bool = DEFAULTS.compile_hift
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
@@ -216,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the flow estimator's LayerNorms and pointwise work as kernels fused by torch.compile: "
         "the first start compiles them (kept under --cache-dir for later starts); the "
         "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
+    )
+    add(
+        "--compile-hift",
+        action="store_true",
+        default=_flag("COMPILE_HIFT"),
+        help="run each of HiFT's Snake activations as one kernel compiled by torch.compile instead of "
+        "five (kept under --cache-dir); the same audio within float rounding (env COSYAPP_COMPILE_HIFT=1)",
     )
     add(
         "--hift-graphs",

@@ -19,6 +19,13 @@ clip (recompute path, full attention) and every incremental chunk call of the sc
 TFLOP/s, the largest difference compiled against eager (fp16), and the first calls' time, which
 holds the compile (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
 
+FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs: compile in that torch.compile mode (matrix
+products as autotuned Triton templates with the pointwise work after them fused in, where faster).
+
+FLOW_CACHE_COMPILE_SCOPE=step: compile whole estimator steps instead of the pieces: the recompute
+path's estimator forward and the incremental flow's step (pool reads and writes included), each one
+graph with dynamic shapes.
+
 FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
 """
 
@@ -45,6 +52,8 @@ from cosyapp.models.flow import CausalMaskedDiffWithXvec
 # FLOW_CACHE_SMOKE=1: a quick run of every path on the CPU (no timing value), to check the script.
 SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
 COMPILE = os.environ.get("FLOW_CACHE_COMPILE") == "1"
+COMPILE_MODE = os.environ.get("FLOW_CACHE_COMPILE_MODE") or None
+COMPILE_SCOPE = os.environ.get("FLOW_CACHE_COMPILE_SCOPE", "pieces")
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
 INPUTS = os.environ.get("FLOW_CACHE_INPUTS") == "1"
@@ -309,7 +318,12 @@ def graphed_copies(flow) -> tuple:
     compiled copy's inductor cache folder (a new one, unless TORCHINDUCTOR_CACHE_DIR is set)."""
     eager, compiled = copy.deepcopy(flow), copy.deepcopy(flow)
     cache = Path(tempfile.mkdtemp(prefix="inductor-"))
-    fuse_estimator(compiled.decoder.estimator, cache)
+    if COMPILE_SCOPE == "step":
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        est = compiled.decoder.estimator
+        est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True, mode=COMPILE_MODE)
+    else:
+        fuse_estimator(compiled.decoder.estimator, cache, mode=COMPILE_MODE)
     for f in (eager, compiled):
         f.decoder.estimator = GraphedEstimator(f.decoder.estimator)
     return eager, compiled, os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -318,7 +332,14 @@ def graphed_copies(flow) -> tuple:
 def compare_compiled(flow, v, tokens, calls, emit) -> None:
     """Eager against compiled, both graphed: a whole clip and every chunk call, per batch size."""
     eager, compiled, cache = graphed_copies(flow)
-    emit({"check": "compile_setup", "inductor_cache": cache})
+    emit(
+        {
+            "check": "compile_setup",
+            "inductor_cache": cache,
+            "mode": COMPILE_MODE or "default",
+            "scope": COMPILE_SCOPE,
+        }
+    )
     flows = {"eager": eager, "compiled": compiled}
     for batch in BATCHES:
         clip = {name: functools.partial(whole_clip, f, v, tokens, batch) for name, f in flows.items()}
@@ -353,6 +374,8 @@ def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emi
     runners = {
         name: IncrementalFlow(f, pool, graphs=True) for name, f in (("eager", eager), ("compiled", compiled))
     }
+    if COMPILE_SCOPE == "step":
+        compile_step(runners["compiled"])
     first_s, timings, frames, unreplayed = {}, {}, {}, {}
     for name, runner in runners.items():
         started = time.perf_counter()
@@ -389,6 +412,14 @@ def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emi
             **{f"{k}_first_sentence_s": round(x, 1) for k, x in first_s.items()},
         }
     )
+
+
+def compile_step(runner: IncrementalFlow) -> None:
+    """The runner's estimator step (what its CUDA graphs capture too) as one compiled graph."""
+    step = torch.compile(runner.step_fn.__call__, dynamic=True, mode=COMPILE_MODE)
+    runner.step_fn = step
+    if runner.graphs is not None:
+        runner.graphs.step_fn = step
 
 
 def mean_ms(fn, repeats: int = 3) -> float:

@@ -19,7 +19,8 @@ the worker runs calls past the graphs' largest bucket) for that many requests at
 TFLOP/s (torch's FlopCounterMode) and the same kernel categories, under each variant of
 FLOW_PROFILE_WHOLE_VARIANTS (default all: the dense attention mask against none, each SDPA backend,
 the estimator's pieces compiled as --compile-flow does, with and without guard evaluation, and the
-whole estimator step compiled as one graph).
+whole estimator step compiled as one graph; both compiled again in torch.compile's
+max-autotune-no-cudagraphs mode; and the LayerNorms reading and writing float16).
 """
 
 import collections
@@ -183,7 +184,7 @@ def measure_whole(flow, v, tokens, batch: int, emit, variants: dict) -> None:
     first = None
     for i, (name, variant) in enumerate(variants.items()):
         with variant():
-            mel, _ = timed(run)  # kernels, allocator, compilation
+            mel, first_ms = timed(run)  # kernels, allocator, compilation
             wall_ms = min(timed(run)[1] for _ in range(3))
             summary = profiled(run)[0] if i < 2 else {}
         first = mel if first is None else first
@@ -193,6 +194,7 @@ def measure_whole(flow, v, tokens, batch: int, emit, variants: dict) -> None:
                 "variant": name,
                 "tokens": TOKENS,
                 "eager_ms": round(wall_ms, 2),
+                "first_call_s": round(first_ms / 1000, 1),
                 "tflops": round(work / wall_ms / 1e9, 1),
                 "max_abs_diff_to_first": float((mel.float() - first.float()).abs().max()),
                 **summary,
@@ -223,9 +225,11 @@ def whole_variants(flow) -> dict:
     def backend(kind):
         return lambda: torch.nn.attention.sdpa_kernel([kind])
 
+    autotune = "max-autotune-no-cudagraphs"
+
     @contextlib.contextmanager
-    def compiled(skip_guards: bool):
-        fuse_estimator(est)
+    def compiled(skip_guards: bool, mode: str | None = None):
+        fuse_estimator(est, mode=mode)
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
                 yield
@@ -235,13 +239,37 @@ def whole_variants(flow) -> dict:
                     module.__dict__.pop(name, None)
 
     @contextlib.contextmanager
-    def compiled_forward():
+    def compiled_forward(mode: str | None = None):
         """The whole estimator step as one compiled graph (one guard check per Euler step)."""
-        est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True)
+        est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True, mode=mode)
         try:
             yield
         finally:
             del est.forward
+
+    @contextlib.contextmanager
+    def half_layer_norms():
+        """Each LayerNorm reads and writes float16 (its statistics still in float32, inside the
+        kernel) instead of autocast's float32 output: the casts around it and half its bytes go. Its
+        weights are cast once here, so this is a timing experiment, not the served numerics."""
+        norms = [m for m in est.modules() if isinstance(m, torch.nn.LayerNorm)]
+        kept = [(m.weight.data, m.bias.data) for m in norms]
+        for m in norms:
+            m.weight.data, m.bias.data = m.weight.data.half(), m.bias.data.half()
+
+        def forward(self, x):
+            with torch.autocast(DEVICE.type, enabled=False):
+                return torch.nn.functional.layer_norm(
+                    x.half(), self.normalized_shape, self.weight, self.bias, self.eps
+                )
+
+        torch.nn.LayerNorm.forward, original = forward, torch.nn.LayerNorm.forward
+        try:
+            yield
+        finally:
+            torch.nn.LayerNorm.forward = original
+            for m, (w, b) in zip(norms, kept, strict=True):
+                m.weight.data, m.bias.data = w, b
 
     backends = torch.nn.attention.SDPBackend
 
@@ -260,6 +288,9 @@ def whole_variants(flow) -> dict:
         "no_mask_compiled": lambda: compiled(False),
         "no_mask_compiled_skip_guards": lambda: compiled(True),
         "no_mask_compiled_forward": compiled_forward,
+        "no_mask_compiled_autotune": lambda: compiled(False, autotune),
+        "no_mask_compiled_forward_autotune": lambda: compiled_forward(autotune),
+        "no_mask_half_layer_norms": half_layer_norms,
     }
 
     names = os.environ.get("FLOW_PROFILE_WHOLE_VARIANTS", ",".join(every)).split(",")

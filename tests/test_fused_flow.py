@@ -9,8 +9,9 @@ import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
 from cosyapp.engine.build import build_pipeline
-from cosyapp.engine.token2wav.flow_cache import raw_estimator
-from cosyapp.engine.token2wav.pages import KVPool
+from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.incremental import IncrementalEstimator
+from cosyapp.engine.token2wav.pages import FlowCache, KVPool
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.flow_estimator import CausalBlock1D, TransformerBlock
 from cosyapp.options import DEFAULTS, ServeOptions
@@ -114,3 +115,38 @@ def test_the_flag_and_its_variable_turn_compiling_on(monkeypatch):
     assert parse_settings(["--compile-flow"]).serve_options().compile_flow is True
     monkeypatch.setenv("COSYAPP_COMPILE_FLOW", "1")
     assert parse_settings([]).serve_options().compile_flow is True
+
+
+def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):
+    """The step as one compiled graph, pool reads and writes included (what scripts/flow_cache_speed.py
+    measures with FLOW_CACHE_COMPILE_SCOPE=step): the caches' step is indexed through a tensor, so
+    one graph serves all ten steps, and the frames are eager's, call by call."""
+    p = prompt(37, seed=5)
+    tokens = torch.randint(0, 6561, (100,), generator=torch.Generator().manual_seed(6))
+    calls = schedule(37, len(tokens), 25)
+    frames = {}
+    for compiled in (False, True):
+        est = raw_estimator(tiny_model.flow)
+        cpu = torch.device("cpu")
+        kv = KVPool(
+            est,
+            pages=16,
+            steps=tiny_model.flow.decoder.n_timesteps,
+            device=cpu,
+            dtype=torch.float32,
+            inputs=True,
+        )
+        runner = IncrementalFlow(tiny_model.flow, kv)
+        if compiled:
+            runner.step_fn = torch.compile(runner.step_fn.__call__, dynamic=True)
+        cache, frames[compiled] = FlowCache(), []
+        with torch.inference_mode():
+            for n, final in calls:
+                [(mel, start)] = runner([FlowItem(cache, *p, tokens[:n], final)])
+                frames[compiled].append((start, mel))
+    assert len(frames[True]) == len(calls) >= 3
+    for (got_start, got), (want_start, want) in zip(frames[True], frames[False], strict=True):
+        assert got_start == want_start
+        assert_close(got, want)
+    graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(IncrementalEstimator.__call__.__code__)
+    assert len(graphs) <= len(calls)  # one per call shape at most, not one per Euler step

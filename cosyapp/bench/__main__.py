@@ -32,8 +32,8 @@ from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
 # The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav)
-# and the text lanes. compile_flow and flow_dtype are not among them: they change the model's flow
-# in place.
+# and the text lanes. compile_flow, compile_hift and flow_dtype are not among them: they change the
+# model's flow or HiFT in place.
 VARIANT_FIELDS = (
     "first_hop",
     "flow_cache_gb",
@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the flow estimator's memory-bound work as kernels fused by torch.compile (as serve's flag)",
     )
     add(
+        "--compile-hift",
+        action="store_true",
+        help="HiFT's Snake activations as kernels compiled by torch.compile (as serve's flag)",
+    )
+    add(
         "--lm-in-process",
         action=argparse.BooleanOptionalAction,
         default=DEFAULTS.lm_in_process,
@@ -225,6 +230,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             chunked_final=args.chunked_final,
             flow_cache_inputs=args.flow_cache_inputs,
             compile_flow=args.compile_flow,
+            compile_hift=args.compile_hift,
             lm_in_process=args.lm_in_process,
             lm_stream_interval=args.lm_stream_interval,
             lm_sampler_graphs=args.lm_sampler_graphs,

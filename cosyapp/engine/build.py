@@ -83,6 +83,11 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
+    if options.compile_hift:
+        from cosyapp.engine.token2wav.fused import fuse_hift
+
+        # Before any HiFT graph is captured: the graphs then replay the compiled kernels.
+        fuse_hift(model.hift, options.cache_dir / "inductor")
     flow_dtype = flow_autocast_dtype(model, options)
     if flow_dtype is not None and model.device.type == "cuda" and model.flow.matmul_dtype is None:
         from cosyapp.engine.token2wav.precision import cast_matmul_weights

@@ -72,9 +72,14 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha[None, :, None]
-        # Reciprocal-then-multiply (not a division) as upstream, for bitwise parity.
-        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+        return snake(x, self.alpha)
+
+
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """The Snake activation of x (B, C, T) with per-channel alpha (C,)."""
+    alpha = alpha[None, :, None]
+    # Reciprocal-then-multiply (not a division) as upstream, for bitwise parity.
+    return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
 
 
 class ResBlock(nn.Module):

@@ -70,6 +70,10 @@ class _StepIO:
     def __init__(self, kv: Tensor, inputs: CallInputs, new_tails: Tensor):
         self.kv, self.inputs, self.new_tails = kv, inputs, new_tails
         self.step = self.block = self.channel = 0
+        # The step as a tensor of one index too: a step compiled by torch.compile
+        # (scripts/flow_cache_speed.py) indexes with it, as a Python int would make a graph per step.
+        self._steps = torch.arange(inputs.tails.size(0), device=inputs.tails.device)
+        self.step_t = self._steps[:1]
         # Where each batch entry's new tails start in a convolution's input: frames keep - 2 and
         # keep - 1 of the new ones, at columns keep and keep + 1 behind the TAIL old inputs.
         keep = inputs.keep.repeat(ROWS).view(-1, 1, 1)
@@ -77,14 +81,23 @@ class _StepIO:
 
     def start_step(self, step: int) -> None:
         self.step, self.block, self.channel = step, 0, 0
+        self.step_t = self._steps[step : step + 1]
+
+    def _at_step(self) -> int | Tensor:
+        """The step to index the caches' step axis with: the int, or compiled its (1,) tensor, which
+        keeps that axis (a 0-d tensor index would be read back as an int)."""
+        return self.step_t if torch.compiler.is_compiling() else self.step
 
     def conv_input(self, x: Tensor) -> Tensor:
         """x (ROWS*B, C, W) -> (ROWS*B, C, TAIL + W) with the stream's earlier inputs in front; keeps
         the inputs before frame `keep` as the new tails."""
         c = x.size(1)
         lo, hi = self.channel, self.channel + c
-        full = torch.cat([self.inputs.tails[self.step, :, lo:hi].to(x.dtype), x], dim=2)
-        self.new_tails[self.step, :, lo:hi] = full.gather(2, self.tail_at.expand(-1, c, -1))
+        step = self._at_step()
+        tails = self.inputs.tails[step, :, lo:hi]
+        tails = tails if isinstance(step, int) else tails[0]
+        full = torch.cat([tails.to(x.dtype), x], dim=2)
+        self.new_tails[step, :, lo:hi] = full.gather(2, self.tail_at.expand(-1, c, -1))
         self.channel = hi
         return full
 
@@ -95,7 +108,7 @@ class _StepIO:
         the new frames' pages first (uncommitted ones go to the trash page), then reads all of them
         with one gather into the layout attention reads, and puts the new frames over the new pages'
         slots: one pass over the past instead of a gather and a concatenation."""
-        layer, step = self.block, self.step
+        layer, step = self.block, self._at_step()
         self.block += 1
         store = self.kv[layer]  # (pool rows, steps, page, *frame)
         rb, width = new.shape[:2]
@@ -105,9 +118,11 @@ class _StepIO:
         pad = (0, 0) * frame_dims + (0, n_pages * page - width)
         paged = new if width == n_pages * page else F.pad(new, pad)
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
-        into, words = as_words(store), as_words(pages)
-        if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
-            into, words = store, pages
+        into, words = store, pages  # compiled, elements (it cannot write through another dtype's view)
+        if not torch.compiler.is_compiling():
+            into, words = as_words(store), as_words(pages)
+            if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
+                into, words = store, pages
         into[self.inputs.write_rows, step] = words
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)

@@ -1,0 +1,68 @@
+"""--compile-hift: HiFT's Snake activations compiled by inductor give the eager audio (tiny model,
+CPU, float32), one compiled graph serves every Snake, and the option reaches the engine from the
+command line."""
+
+import pytest
+import torch
+
+from cosyapp.engine.build import build_pipeline
+from cosyapp.models.checkpoint import load_model
+from cosyapp.models.hift import Snake, snake
+from cosyapp.options import DEFAULTS, ServeOptions
+
+
+@pytest.fixture(scope="module")
+def fused(tiny_model_dir, tmp_path_factory):
+    """A second copy of the tiny model, its HiFT fused by build_pipeline."""
+    cache_dir = tmp_path_factory.mktemp("serving-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        model = load_model(tiny_model_dir, device="cpu")
+        build_pipeline(model, ServeOptions(engine="torch", compile_hift=True, cache_dir=cache_dir))
+        yield model
+
+
+def vocode(hift, mel, cache=None):
+    generators = [torch.Generator().manual_seed(i) for i in range(mel.size(0))]
+    with torch.inference_mode():
+        return hift(mel, cache, generators=generators)
+
+
+def compiled_graphs() -> int:
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(snake.__code__))
+
+
+@pytest.mark.parametrize("frames, with_cache", [(40, False), (73, True)])
+def test_the_compiled_snakes_give_the_eager_audio(tiny_model, fused, frames, with_cache):
+    g = torch.Generator().manual_seed(frames)
+    mel = torch.randn(2, 80, frames, generator=g) * 2 - 5
+    cache = torch.randn(2, 1, 3840, generator=g) * 0.1 if with_cache else None
+    got_speech, got_source = vocode(fused.hift, mel, cache)
+    want_speech, want_source = vocode(tiny_model.hift, mel, cache)
+    assert torch.equal(got_source, want_source)  # the source module has no Snake
+    assert got_speech.shape == want_speech.shape
+    torch.testing.assert_close(got_speech, want_speech, rtol=1e-4, atol=1e-5)
+
+
+def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fused):
+    snakes = [m for m in fused.hift.modules() if isinstance(m, Snake)]
+    # the stages differ in channels, so a graph per shape would show as several
+    assert len(snakes) > 6 and len({m.alpha.numel() for m in snakes}) > 1
+    assert all("forward" in vars(m) for m in snakes)
+    assert not any("forward" in vars(m) for m in tiny_model.hift.modules() if isinstance(m, Snake))
+    for frames in (30, 47):
+        vocode(fused.hift, torch.randn(2, 80, frames) - 5)
+    assert compiled_graphs() == 1  # every stage's channels, both lengths
+    vocode(fused.hift, torch.randn(1, 80, 30) - 5)
+    assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
+
+
+def test_the_flag_and_its_variable_turn_compiling_on(monkeypatch):
+    from cosyapp.settings import parse_settings
+
+    monkeypatch.delenv("COSYAPP_COMPILE_HIFT", raising=False)
+    assert DEFAULTS.compile_hift is False
+    assert parse_settings([]).serve_options().compile_hift is False
+    assert parse_settings(["--compile-hift"]).serve_options().compile_hift is True
+    monkeypatch.setenv("COSYAPP_COMPILE_HIFT", "1")
+    assert parse_settings([]).serve_options().compile_hift is True
