@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
-from cosyapp.engine.token2wav.fused import fuse_estimator
+from cosyapp.engine.token2wav.fused import fuse_estimator, use_cache_dir
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool, voice_frames
 from cosyapp.engine.token2wav.precision import cast_matmul_weights
@@ -319,7 +319,7 @@ def graphed_copies(flow) -> tuple:
     eager, compiled = copy.deepcopy(flow), copy.deepcopy(flow)
     cache = Path(tempfile.mkdtemp(prefix="inductor-"))
     if COMPILE_SCOPE == "step":
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        use_cache_dir(cache)
         est = compiled.decoder.estimator
         est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True, mode=COMPILE_MODE)
     else:

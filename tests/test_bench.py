@@ -319,12 +319,14 @@ def test_options_keep_the_earlier_flags_and_add_first_hop_and_eager_flow():
     assert parse_args([]).cuda_graphs
 
 
-def test_compile_flow_reaches_the_serve_options_and_is_no_variant_field(capsys):
-    assert parse_args(["--compile-flow"]).serve.compile_flow
-    assert not parse_args([]).serve.compile_flow
-    with pytest.raises(SystemExit):  # it changes the model's estimator, not the swapped worker
-        parse_args(["--variant", "fused:compile_flow=true"])
-    assert "'compile_flow' is not one of" in capsys.readouterr().err
+@pytest.mark.parametrize("field", ["compile_flow", "compile_hift"])
+def test_compiling_reaches_the_serve_options_and_is_no_variant_field(capsys, field):
+    flag = "--" + field.replace("_", "-")
+    assert getattr(parse_args([flag]).serve, field)
+    assert not getattr(parse_args([]).serve, field)
+    with pytest.raises(SystemExit):  # it changes the model's flow or HiFT, not the swapped worker
+        parse_args(["--variant", f"fused:{field}=true"])
+    assert f"'{field}' is not one of" in capsys.readouterr().err
 
 
 def test_the_in_process_benchmark_imports_nothing_the_gpu_machine_lacks():

@@ -41,7 +41,7 @@ def fuse_estimator(
     picks them where they beat the library's (scripts/flow_cache_speed.py measures it).
     """
     if cache_dir is not None:
-        _use_cache_dir(cache_dir)
+        use_cache_dir(cache_dir)
     for module in estimator.modules():
         for cls, name in PIECES:
             if isinstance(module, cls):
@@ -61,7 +61,7 @@ def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | No
     ``fuse_estimator``.
     """
     if cache_dir is not None:
-        _use_cache_dir(cache_dir)
+        use_cache_dir(cache_dir)
     compiled = _compiled_snake(mode)
     for module in hift.modules():
         if isinstance(module, Snake):
@@ -77,7 +77,7 @@ def _snake_with(compiled, module: Snake, x: torch.Tensor) -> torch.Tensor:
     return compiled(x, module.alpha.detach())
 
 
-def _use_cache_dir(folder: Path) -> None:
+def use_cache_dir(folder: Path) -> None:
     """Point inductor's cache at ``folder`` unless the user chose one. Importing torch._dynamo writes
     inductor's default into TORCHINDUCTOR_CACHE_DIR, so only another value is the user's."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
