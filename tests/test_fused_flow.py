@@ -1,6 +1,7 @@
 """--compile-flow: the flow estimator's pieces compiled by inductor give the eager mel in both flow
 paths (tiny model, CPU, float32), and the option reaches the engine from the command line."""
 
+import contextlib
 import copy
 import os
 
@@ -14,17 +15,25 @@ from cosyapp.engine.token2wav.incremental import IncrementalEstimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.flow_estimator import CausalBlock1D, TransformerBlock
-from cosyapp.options import DEFAULTS, ServeOptions
+from cosyapp.options import ServeOptions
+
+
+@contextlib.contextmanager
+def built_copy(model_dir, cache_dir, **options):
+    """A second copy of the tiny model, prepared by build_pipeline with ``options`` (what they compile
+    keeps its kernels under ``cache_dir``, not in a cache the user chose)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        model = load_model(model_dir, device="cpu")
+        build_pipeline(model, ServeOptions(engine="torch", cache_dir=cache_dir, **options))
+        yield model
 
 
 @pytest.fixture(scope="module")
 def fused(tiny_model_dir, tmp_path_factory):
     """(model, cache_dir): a second copy of the tiny model, its flow fused by build_pipeline."""
     cache_dir = tmp_path_factory.mktemp("serving-cache")
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-        model = load_model(tiny_model_dir, device="cpu")
-        build_pipeline(model, ServeOptions(engine="torch", compile_flow=True, cache_dir=cache_dir))
+    with built_copy(tiny_model_dir, cache_dir, compile_flow=True) as model:
         yield model, cache_dir
 
 
@@ -104,17 +113,6 @@ def test_a_cache_dir_the_user_chose_is_kept(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     fuse_estimator(copy.deepcopy(raw_estimator(tiny_model.flow)), tmp_path / "serving")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
-
-
-def test_the_flag_and_its_variable_turn_compiling_on(monkeypatch):
-    from cosyapp.settings import parse_settings
-
-    monkeypatch.delenv("COSYAPP_COMPILE_FLOW", raising=False)
-    assert DEFAULTS.compile_flow is False
-    assert parse_settings([]).serve_options().compile_flow is False
-    assert parse_settings(["--compile-flow"]).serve_options().compile_flow is True
-    monkeypatch.setenv("COSYAPP_COMPILE_FLOW", "1")
-    assert parse_settings([]).serve_options().compile_flow is True
 
 
 def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):

@@ -4,21 +4,15 @@ command line."""
 
 import pytest
 import torch
+from test_fused_flow import built_copy
 
-from cosyapp.engine.build import build_pipeline
-from cosyapp.models.checkpoint import load_model
 from cosyapp.models.hift import Snake, snake
-from cosyapp.options import DEFAULTS, ServeOptions
 
 
 @pytest.fixture(scope="module")
 def fused(tiny_model_dir, tmp_path_factory):
     """A second copy of the tiny model, its HiFT fused by build_pipeline."""
-    cache_dir = tmp_path_factory.mktemp("serving-cache")
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-        model = load_model(tiny_model_dir, device="cpu")
-        build_pipeline(model, ServeOptions(engine="torch", compile_hift=True, cache_dir=cache_dir))
+    with built_copy(tiny_model_dir, tmp_path_factory.mktemp("serving-cache"), compile_hift=True) as model:
         yield model
 
 
@@ -55,14 +49,3 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
     assert compiled_graphs() == 1  # every stage's channels, both lengths
     vocode(fused.hift, torch.randn(1, 80, 30) - 5)
     assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
-
-
-def test_the_flag_and_its_variable_turn_compiling_on(monkeypatch):
-    from cosyapp.settings import parse_settings
-
-    monkeypatch.delenv("COSYAPP_COMPILE_HIFT", raising=False)
-    assert DEFAULTS.compile_hift is False
-    assert parse_settings([]).serve_options().compile_hift is False
-    assert parse_settings(["--compile-hift"]).serve_options().compile_hift is True
-    monkeypatch.setenv("COSYAPP_COMPILE_HIFT", "1")
-    assert parse_settings([]).serve_options().compile_hift is True

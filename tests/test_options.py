@@ -24,6 +24,17 @@ def test_the_command_line_defaults_are_the_options_defaults():
     assert parse_settings([]).serve_options() == DEFAULTS
 
 
+@pytest.mark.parametrize("field", ["compile_flow", "compile_hift"])
+def test_the_compile_flags_and_their_variables_turn_compiling_on(monkeypatch, field):
+    from cosyapp.settings import parse_settings
+
+    assert getattr(DEFAULTS, field) is False
+    assert getattr(parse_settings([]).serve_options(), field) is False
+    assert getattr(parse_settings(["--" + field.replace("_", "-")]).serve_options(), field) is True
+    monkeypatch.setenv("COSYAPP_" + field.upper(), "1")
+    assert getattr(parse_settings([]).serve_options(), field) is True
+
+
 def test_the_command_line_choices_reach_the_options():
     from cosyapp.settings import parse_settings
 
