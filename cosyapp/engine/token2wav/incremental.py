@@ -97,7 +97,11 @@ class _StepIO:
         tails = self.inputs.tails[step, :, lo:hi]
         tails = tails if isinstance(step, int) else tails[0]
         full = torch.cat([tails.to(x.dtype), x], dim=2)
-        self.new_tails[step, :, lo:hi] = full.gather(2, self.tail_at.expand(-1, c, -1))
+        kept = full.gather(2, self.tail_at.expand(-1, c, -1))
+        if isinstance(step, int):
+            self.new_tails[step, :, lo:hi] = kept
+        else:
+            _put_tails(self.new_tails, step, lo, hi, kept)
         self.channel = hi
         return full
 
@@ -118,12 +122,14 @@ class _StepIO:
         pad = (0, 0) * frame_dims + (0, n_pages * page - width)
         paged = new if width == n_pages * page else F.pad(new, pad)
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
-        into, words = store, pages  # compiled, elements (it cannot write through another dtype's view)
-        if not torch.compiler.is_compiling():
+        if isinstance(step, int):
             into, words = as_words(store), as_words(pages)
             if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
                 into, words = store, pages
-        into[self.inputs.write_rows, step] = words
+            into[self.inputs.write_rows, step] = words
+        else:
+            _put_pages(self.kv, layer, self.inputs.write_rows, step, pages)
+            store = self.kv[layer]  # read after the write
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
         start = both.size(1) - n_pages * page
@@ -135,6 +141,29 @@ class _StepIO:
         (``past_and_new``)."""
         both = self.past_and_new(new)
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+
+
+# Compiled, the caches are written through these two ops: an indexed write into a graph input would be
+# turned into a copy of the whole input (the pool: gigabytes) with the write applied; an op that
+# says it mutates its argument is run in place.
+@torch.library.custom_op("cosyapp::put_pages", mutates_args=("kv",))
+def _put_pages(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
+    kv[layer][rows, step] = pages
+
+
+@_put_pages.register_fake
+def _(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("cosyapp::put_tails", mutates_args=("tails",))
+def _put_tails(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
+    tails[step, :, lo:hi] = kept.unsqueeze(0)
+
+
+@_put_tails.register_fake
+def _(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
+    return None
 
 
 def as_words(t: Tensor) -> Tensor:
