@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One flow or HiFT experiment of docs/benchmarks/README.md ("Compile experiments for the next
+# lease") on a CUDA machine; none needs vLLM, so each fits in a call that carries vLLM's parts over.
+#   scripts/gpu-experiments.sh NAME [SECONDS]
+# NAME: step (the incremental step and the whole-clip forward compiled whole, against eager),
+# step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift).
+# SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
+# scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz (the
+# compiled kernels; put it in .gpu-carry/ and carry it, and a later lease starts from them) to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+if [ -f .gpu-carry/inductor.tgz ]; then tar xzf .gpu-carry/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"; fi
+name=${1:?an experiment: step, step-autotune, whole or hift}
+limit=${2:-480}
+whole_variants=no_mask,no_mask_compiled_forward,no_mask_compiled_forward_autotune,no_mask_half_layer_norms
+case "$name" in
+step) run=(env FLOW_CACHE_COMPILE=1 FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=1,16,64
+    python scripts/flow_cache_speed.py "$OUT/$name.json") ;;
+step-autotune) run=(env FLOW_CACHE_COMPILE=1 FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=16,64
+    FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs python scripts/flow_cache_speed.py "$OUT/$name.json") ;;
+whole) run=(env FLOW_PROFILE_BATCHES= FLOW_PROFILE_WHOLE=23,64 FLOW_PROFILE_WHOLE_VARIANTS=$whole_variants
+    python scripts/flow_profile.py "$OUT/$name.json") ;;
+hift) run=(python scripts/hift_speed.py "$OUT/$name.json") ;;
+*) echo "unknown experiment: $name" >&2; exit 2 ;;
+esac
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout "$limit" "${run[@]}" 2>&1 | tee "$OUT/$name.log" | grep -v Warning
+status=${PIPESTATUS[0]}
+tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . && ls -l "$OUT/inductor.tgz"
+exit "$status"
