@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One flow or HiFT experiment of docs/benchmarks/README.md ("Compile experiments for the next
-# lease") on a CUDA machine; none needs vLLM, so each fits in a call that carries vLLM's parts over.
+# One flow or HiFT experiment of docs/benchmarks/README.md ("Compile experiments for the next GPU
+# run") on a CUDA machine; none needs vLLM, so each can run before vLLM is unpacked there.
 #   scripts/gpu-experiments.sh NAME [SECONDS]
 # NAME: step (the incremental step and the whole-clip forward compiled whole, against eager),
 # step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
 # scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz (the
-# compiled kernels; put it in .gpu-carry/ and carry it, and a later lease starts from them) to $OUT.
+# compiled kernels; put back as .gpu-carry/inductor.tgz, a later run starts from them) to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
