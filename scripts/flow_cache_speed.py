@@ -13,51 +13,32 @@ The fp16 paths run as served: the flow's Linear and Conv1d weights stored in flo
 FlopCounterMode), the accuracy of each path against float32 recompute, and how far the chunk-masked
 incremental final chunk is from upstream's full-attention one.
 
-FLOW_CACHE_COMPILE=1 measures --compile-flow instead (engine/token2wav/fused.py): eager against
-compiled estimator, both replayed from CUDA graphs as served, at batch 1, 16 and 64, for a whole
-clip (recompute path, full attention) and every incremental chunk call of the schedule: ms per call,
-TFLOP/s, the largest difference compiled against eager (fp16), and the first calls' time, which
-holds the compile (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
-
-FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs: compile in that torch.compile mode (matrix
-products as autotuned Triton templates with the pointwise work after them fused in, where faster).
-
-FLOW_CACHE_COMPILE_SCOPE=step: compile whole estimator steps instead of the pieces: the recompute
-path's estimator forward and the incremental flow's step (pool reads and writes included), each one
-graph with dynamic shapes.
+scripts/flow_compile_speed.py measures the flow compiled against eager on the same schedule.
 
 FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
 """
 
 import copy
-import functools
 import json
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
-from cosyapp.engine.token2wav.fused import fuse_estimator, use_cache_dir
-from cosyapp.engine.token2wav.graphs import GraphedEstimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool, voice_frames
 from cosyapp.engine.token2wav.precision import cast_matmul_weights
 from cosyapp.models.flow import CausalMaskedDiffWithXvec
 
 # FLOW_CACHE_SMOKE=1: a quick run of every path on the CPU (no timing value), to check the script.
 SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
-COMPILE = os.environ.get("FLOW_CACHE_COMPILE") == "1"
-COMPILE_MODE = os.environ.get("FLOW_CACHE_COMPILE_MODE") or None
-COMPILE_SCOPE = os.environ.get("FLOW_CACHE_COMPILE_SCOPE", "pieces")
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
 INPUTS = os.environ.get("FLOW_CACHE_INPUTS") == "1"
-BATCHES = (1, 2) if SMOKE else (1, 16, 64) if COMPILE else (1, 4, 16, 32, 64)
+BATCHES = (1, 2) if SMOKE else (1, 4, 16, 32, 64)
 if os.environ.get("FLOW_CACHE_BATCHES"):
     BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))
 
@@ -150,29 +131,20 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
-@torch.inference_mode()
-def main() -> None:
-    default_out = "flow-compile-speed.json" if COMPILE else "flow-cache-speed.json"
-    out = sys.argv[1] if len(sys.argv) > 1 else default_out
+def setup(out: str) -> tuple:
+    """(flow in float32, served flow, voice, tokens, calls, emit): what both speed scripts start from;
+    ``emit`` prints a row and rewrites ``out`` with every row so far (a run cut short keeps them)."""
     torch.manual_seed(0)
     flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
-    est = raw_estimator(flow)
-    page_bytes = KVPool.page_bytes(est, flow.decoder.n_timesteps, torch.float16, INPUTS)
+    page_bytes = KVPool.page_bytes(raw_estimator(flow), flow.decoder.n_timesteps, torch.float16, INPUTS)
     rows = []
+    device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
 
-    def emit(row: dict) -> None:  # the file is rewritten each row: a run cut short keeps its rows
+    def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(out, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+            json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
     served = copy.deepcopy(flow)  # the fp16 paths' flow; `flow` keeps float32 for the references
     if not SMOKE:
@@ -181,14 +153,19 @@ def main() -> None:
     tokens = torch.randint(0, 6561, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     calls = schedule(PROMPT, TOKENS)
     emit({"check": "setup", "page_bytes": page_bytes, "calls": calls, "attention_inputs": INPUTS})
-    if COMPILE:
-        compare_compiled(served, v, tokens, calls, emit)
-    else:
-        accuracy(flow, served, v, tokens, calls, emit)
-        for batch in BATCHES:
-            measure_batch(served, v, tokens, calls, batch, emit)
-            if DEVICE.type == "cuda":
-                torch.cuda.empty_cache()
+    return flow, served, v, tokens, calls, emit
+
+
+@torch.inference_mode()
+def main() -> None:
+    flow, served, v, tokens, calls, emit = setup(
+        sys.argv[1] if len(sys.argv) > 1 else "flow-cache-speed.json"
+    )
+    accuracy(flow, served, v, tokens, calls, emit)
+    for batch in BATCHES:
+        measure_batch(served, v, tokens, calls, batch, emit)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def accuracy(flow, served, v, tokens, calls, emit) -> None:
@@ -313,117 +290,8 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
     )
 
 
-def graphed_copies(flow) -> tuple:
-    """(eager, compiled) copies of ``flow``, each estimator replayed from CUDA graphs, and the
-    compiled copy's inductor cache folder (a new one, unless TORCHINDUCTOR_CACHE_DIR is set)."""
-    eager, compiled = copy.deepcopy(flow), copy.deepcopy(flow)
-    cache = Path(tempfile.mkdtemp(prefix="inductor-"))
-    if COMPILE_SCOPE == "step":
-        use_cache_dir(cache)
-        est = compiled.decoder.estimator
-        est.forward = torch.compile(type(est).forward.__get__(est), dynamic=True, mode=COMPILE_MODE)
-    else:
-        fuse_estimator(compiled.decoder.estimator, cache, mode=COMPILE_MODE)
-    for f in (eager, compiled):
-        f.decoder.estimator = GraphedEstimator(f.decoder.estimator)
-    return eager, compiled, os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-def compare_compiled(flow, v, tokens, calls, emit) -> None:
-    """Eager against compiled, both graphed: a whole clip and every chunk call, per batch size."""
-    eager, compiled, cache = graphed_copies(flow)
-    emit(
-        {
-            "check": "compile_setup",
-            "inductor_cache": cache,
-            "mode": COMPILE_MODE or "default",
-            "scope": COMPILE_SCOPE,
-        }
-    )
-    flows = {"eager": eager, "compiled": compiled}
-    for batch in BATCHES:
-        clip = {name: functools.partial(whole_clip, f, v, tokens, batch) for name, f in flows.items()}
-        first_s = {name: timed(fn)[1] / 1000 for name, fn in clip.items()}  # compiles, captures
-        ms = {name: mean_ms(fn) for name, fn in clip.items()}
-        work = flops(functools.partial(whole_clip, flow, v, tokens, batch))
-        emit(
-            {
-                "check": "compile_whole_clip",
-                "batch": batch,
-                "tokens": len(tokens),
-                **{f"{k}_first_call_s": round(x, 1) for k, x in first_s.items()},
-                **{f"{k}_ms": round(x, 2) for k, x in ms.items()},
-                **{f"{k}_tflops": round(work / x / 1e9, 1) for k, x in ms.items()},
-                "compiled_vs_eager_max_abs": (clip["compiled"]() - clip["eager"]()).abs().max().item(),
-            }
-        )
-        compare_incremental(flow, eager, compiled, v, tokens, calls, batch, emit)
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
-
-
 def whole_clip(flow, v, tokens, batch: int) -> torch.Tensor:
     return recompute(flow, v, tokens, batch, True, streaming=False)
-
-
-def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emit) -> None:
-    """Every chunk call of the schedule for ``batch`` streams, eager against compiled, both graphed."""
-    est = raw_estimator(flow)
-    pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
-    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS)
-    runners = {
-        name: IncrementalFlow(f, pool, graphs=True) for name, f in (("eager", eager), ("compiled", compiled))
-    }
-    if COMPILE_SCOPE == "step":
-        compile_step(runners["compiled"])
-    first_s, timings, frames, unreplayed = {}, {}, {}, {}
-    for name, runner in runners.items():
-        started = time.perf_counter()
-        # Compiles, meets the buckets: these calls run eagerly, their graphs are captured after.
-        unreplayed[name] = run_schedule(flow, pool, runner, v, batch, tokens, calls)
-        capture_missed(runner)
-        first_s[name] = time.perf_counter() - started
-        timings[name] = []
-        frames[name] = run_schedule(flow, pool, runner, v, batch, tokens, calls, timings=timings[name])
-    for i, (n, final) in enumerate(calls):
-        work = batch * incremental_flops(flow, pool, v, tokens, calls, i)
-        ms = {name: t[i] for name, t in timings.items()}
-        emit(
-            {
-                "check": "compile_incremental_call",
-                "batch": batch,
-                "tokens": n,
-                "final": final,
-                "new_frames": frames["eager"][i].shape[1],
-                **{f"{k}_ms": round(x, 2) for k, x in ms.items()},
-                **{f"{k}_tflops": round(work / x / 1e9, 1) for k, x in ms.items()},
-                "compiled_vs_eager_max_abs": (frames["compiled"][i] - frames["eager"][i]).abs().max().item(),
-                # The deferred capture: a bucket's replayed graph against its first, eager call.
-                "replayed_vs_first_call_max_abs": max(
-                    (frames[k][i] - unreplayed[k][i]).abs().max().item() for k in frames
-                ),
-            }
-        )
-    emit(
-        {
-            "check": "compile_incremental_sentence",
-            "batch": batch,
-            **{f"{k}_ms": round(sum(t), 1) for k, t in timings.items()},
-            **{f"{k}_first_sentence_s": round(x, 1) for k, x in first_s.items()},
-        }
-    )
-
-
-def compile_step(runner: IncrementalFlow) -> None:
-    """The runner's estimator step (what its CUDA graphs capture too) as one compiled graph."""
-    step = torch.compile(runner.step_fn.__call__, dynamic=True, mode=COMPILE_MODE)
-    runner.step_fn = step
-    if runner.graphs is not None:
-        runner.graphs.step_fn = step
-
-
-def mean_ms(fn, repeats: int = 3) -> float:
-    return timed(lambda: [fn() for _ in range(repeats)])[1] / repeats
 
 
 if __name__ == "__main__":

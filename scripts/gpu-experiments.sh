@@ -18,10 +18,10 @@ name=${1:?an experiment: step, step-autotune, whole or hift}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_compiled_forward,no_mask_compiled_forward_autotune,no_mask_half_layer_norms
 case "$name" in
-step) run=(env FLOW_CACHE_COMPILE=1 FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=1,16,64
-    python scripts/flow_cache_speed.py "$OUT/$name.json") ;;
-step-autotune) run=(env FLOW_CACHE_COMPILE=1 FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=16,64
-    FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs python scripts/flow_cache_speed.py "$OUT/$name.json") ;;
+step) run=(env FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=1,16,64
+    python scripts/flow_compile_speed.py "$OUT/$name.json") ;;
+step-autotune) run=(env FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=16,64
+    FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs python scripts/flow_compile_speed.py "$OUT/$name.json") ;;
 whole) run=(env FLOW_PROFILE_BATCHES= FLOW_PROFILE_WHOLE=23,64 FLOW_PROFILE_WHOLE_VARIANTS=$whole_variants
     python scripts/flow_profile.py "$OUT/$name.json") ;;
 hift) run=(python scripts/hift_speed.py "$OUT/$name.json") ;;

@@ -6,7 +6,6 @@ import torch
 from cosyapp.deploy.sizing import PAGE_BYTES
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
-from cosyapp.engine.token2wav.incremental import as_words
 from cosyapp.engine.token2wav.pages import (
     FlowCache,
     KVPool,
@@ -15,6 +14,7 @@ from cosyapp.engine.token2wav.pages import (
     transformer_count,
     voice_frames,
 )
+from cosyapp.engine.token2wav.writes import as_words
 from cosyapp.models.flow_estimator import CausalConditionalDecoder
 
 PAGE = 50  # frames per chunk (25 tokens x 2)

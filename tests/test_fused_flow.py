@@ -116,7 +116,7 @@ def test_a_cache_dir_the_user_chose_is_kept(tiny_model, tmp_path, monkeypatch):
 
 
 def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):
-    """The step as one compiled graph, pool reads and writes included (what scripts/flow_cache_speed.py
+    """The step as one compiled graph, pool reads and writes included (what scripts/flow_compile_speed.py
     measures with FLOW_CACHE_COMPILE_SCOPE=step): the caches' step is indexed through a tensor, so
     one graph serves all ten steps, and the frames are eager's, call by call."""
     p = prompt(37, seed=5)

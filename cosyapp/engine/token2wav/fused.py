@@ -38,7 +38,7 @@ def fuse_estimator(
     TORCHINDUCTOR_CACHE_DIR set by the user wins. Compiling happens on each piece's first call (the
     start-up warm-up). mode: torch.compile's (None: its default); "max-autotune-no-cudagraphs" also
     times Triton templates for the matrix products, with the pointwise work after them fused in, and
-    picks them where they beat the library's (scripts/flow_cache_speed.py measures it).
+    picks them where they beat the library's (scripts/flow_compile_speed.py measures it).
     """
     if cache_dir is not None:
         use_cache_dir(cache_dir)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyapp.engine.token2wav.writes import as_words, put_pages, put_tails
 from cosyapp.models.flow import cosine_time_grid
 from cosyapp.models.flow_estimator import (
     CausalBlock1D,
@@ -71,7 +72,7 @@ class _StepIO:
         self.kv, self.inputs, self.new_tails = kv, inputs, new_tails
         self.step = self.block = self.channel = 0
         # The step as a tensor of one index too: a step compiled by torch.compile
-        # (scripts/flow_cache_speed.py) indexes with it, as a Python int would make a graph per step.
+        # (scripts/flow_compile_speed.py) indexes with it, as a Python int would make a graph per step.
         self._steps = torch.arange(inputs.tails.size(0), device=inputs.tails.device)
         self.step_t = self._steps[:1]
         # Where each batch entry's new tails start in a convolution's input: frames keep - 2 and
@@ -101,7 +102,7 @@ class _StepIO:
         if isinstance(step, int):
             self.new_tails[step, :, lo:hi] = kept
         else:
-            _put_tails(self.new_tails, step, lo, hi, kept)
+            put_tails(self.new_tails, step, lo, hi, kept)
         self.channel = hi
         return full
 
@@ -128,7 +129,7 @@ class _StepIO:
                 into, words = store, pages
             into[self.inputs.write_rows, step] = words
         else:
-            _put_pages(self.kv, layer, self.inputs.write_rows, step, pages)
+            put_pages(self.kv, layer, self.inputs.write_rows, step, pages)
             store = self.kv[layer]  # read after the write
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
@@ -141,40 +142,6 @@ class _StepIO:
         (``past_and_new``)."""
         both = self.past_and_new(new)
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
-
-
-# Compiled, the caches are written through these two ops: an indexed write into a graph input would be
-# turned into a copy of the whole input (the pool: gigabytes) with the write applied; an op that
-# says it mutates its argument is run in place.
-@torch.library.custom_op("cosyapp::put_pages", mutates_args=("kv",))
-def _put_pages(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
-    kv[layer][rows, step] = pages
-
-
-@_put_pages.register_fake
-def _(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("cosyapp::put_tails", mutates_args=("tails",))
-def _put_tails(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
-    tails[step, :, lo:hi] = kept.unsqueeze(0)
-
-
-@_put_tails.register_fake
-def _(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
-    return None
-
-
-def as_words(t: Tensor) -> Tensor:
-    """``t`` seen as 8-byte words along its last axis where its rows allow: the same bytes, which an
-    indexed write then moves 8 at a time instead of one element (2 bytes in fp16) at a time."""
-    ratio = 8 // t.element_size()
-    if ratio < 2 or t.size(-1) % ratio or t.stride(-1) != 1 or t.storage_offset() % ratio:
-        return t
-    if any(stride % ratio for stride in t.stride()[:-1]):
-        return t
-    return t.view(torch.int64)
 
 
 class IncrementalEstimator:
