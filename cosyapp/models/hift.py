@@ -62,10 +62,7 @@ def _periodic_hann(n_fft: int) -> Tensor:
 
 
 class Snake(nn.Module):
-    """Snake activation x + sin^2(alpha*x)/alpha with a per-channel alpha (linear scale).
-
-    Takes and returns (B, C, T).
-    """
+    """Snake activation x + sin^2(alpha*x)/alpha with a per-channel alpha (linear scale); (B, C, T)."""
 
     def __init__(self, channels: int):
         super().__init__()
