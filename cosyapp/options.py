@@ -47,11 +47,12 @@ class ServeOptions:
         and values: four times the frames per byte at full size, for a key/value projection over
         each stream's past in every call; the same audio (engine/token2wav/pages.py). On by default
         (measured: docs/benchmarks/README.md); False keeps keys and values.
-    compile_flow: run the flow estimator's LayerNorms and pointwise work as kernels fused by
-        torch.compile (engine/token2wav/fused.py), in both flow paths; the first start compiles them
-        once, later starts read them from cache_dir/inductor.
+    compile_flow: compile the flow estimator with torch.compile (engine/token2wav/fused.py): its
+        forward whole (the recompute path), its memory-bound pieces for the incremental flow; the
+        first start compiles them (minutes on a GPU), later starts read them from cache_dir/inductor.
     compile_hift: run each of HiFT's Snake activations as one kernel compiled by torch.compile
-        (engine/token2wav/fused.py fuse_hift) instead of five; cached as compile_flow's.
+        (engine/token2wav/fused.py fuse_hift) instead of five; cached as compile_flow's. None (the
+        default): where the model is on a GPU (measured there: docs/benchmarks/README.md).
     text_lanes: texts prepared at once (engine/text_workers.py: a thread and a wetext process each);
         0 = one per 4 CPU cores, 1 to 4.
     gather_ms: how long the token2wav worker, woken from an empty queue, waits for jobs to stop
@@ -95,7 +96,7 @@ class ServeOptions:
     chunked_final: bool = False
     flow_cache_inputs: bool = True
     compile_flow: bool = False
-    compile_hift: bool = False
+    compile_hift: bool | None = None
     gather_ms: float = 2.0
     text_lanes: int = 0
     overlap_hift: bool = True

@@ -42,7 +42,7 @@ class Settings:
     gather_ms: float = DEFAULTS.gather_ms
     text_lanes: int = DEFAULTS.text_lanes
     compile_flow: bool = DEFAULTS.compile_flow
-    compile_hift: bool = DEFAULTS.compile_hift
+    compile_hift: bool | None = DEFAULTS.compile_hift
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
@@ -214,16 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-flow",
         action="store_true",
         default=_flag("COMPILE_FLOW"),
-        help="run the flow estimator's LayerNorms and pointwise work as kernels fused by torch.compile: "
-        "the first start compiles them (kept under --cache-dir for later starts); the "
-        "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
+        help="compile the flow estimator with torch.compile (its forward whole, its LayerNorms and "
+        "pointwise work for the incremental flow): the first start compiles them, minutes on a GPU "
+        "(kept under --cache-dir for later starts); the same audio within float rounding (env "
+        "COSYAPP_COMPILE_FLOW=1)",
     )
     add(
         "--compile-hift",
-        action="store_true",
-        default=_flag("COMPILE_HIFT"),
+        action=argparse.BooleanOptionalAction,
+        default=None if _env("COMPILE_HIFT", None) is None else _flag("COMPILE_HIFT"),
         help="run each of HiFT's Snake activations as one kernel compiled by torch.compile instead of "
-        "five (kept under --cache-dir); the same audio within float rounding (env COSYAPP_COMPILE_HIFT=1)",
+        "five (kept under --cache-dir); the same audio within float rounding (default: on a GPU; env "
+        "COSYAPP_COMPILE_HIFT=1 or 0)",
     )
     add(
         "--hift-graphs",

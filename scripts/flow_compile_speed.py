@@ -9,9 +9,10 @@ incremental chunk call of flow_cache_speed.py's schedule: ms per call, TFLOP/s, 
 difference compiled against eager (fp16), and the first calls' time, which holds the compile
 (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
 
-FLOW_CACHE_COMPILE_SCOPE: pieces (default; --compile-flow, engine/token2wav/fused.py) or step: the
-recompute path's estimator forward and the incremental flow's step (pool reads and writes included,
-docs/model.md §8.7), each one graph with dynamic shapes.
+FLOW_CACHE_COMPILE_SCOPE: serve (default; what --compile-flow compiles, engine/token2wav/fused.py:
+the estimator's forward whole, its pieces for the incremental flow) or step: the forward whole and
+the incremental flow's step whole too (pool reads and writes included, docs/model.md §8.7; on an
+H100 its graph did not finish compiling in 7 minutes).
 FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs: compile in that torch.compile mode (matrix
 products as autotuned Triton templates with the pointwise work after them fused in, where faster).
 FLOW_CACHE_INPUTS=1, FLOW_CACHE_SMOKE=1: as flow_cache_speed.py.
@@ -49,7 +50,7 @@ from cosyapp.engine.token2wav.graphs import GraphedEstimator  # noqa: E402
 from cosyapp.engine.token2wav.pages import KVPool  # noqa: E402
 
 COMPILE_MODE = os.environ.get("FLOW_CACHE_COMPILE_MODE") or None
-COMPILE_SCOPE = os.environ.get("FLOW_CACHE_COMPILE_SCOPE", "pieces")
+COMPILE_SCOPE = os.environ.get("FLOW_CACHE_COMPILE_SCOPE", "serve")
 BATCHES = (1, 2) if SMOKE else (1, 16, 64)
 if os.environ.get("FLOW_CACHE_BATCHES"):
     BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))

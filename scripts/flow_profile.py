@@ -258,17 +258,21 @@ def whole_variants(flow) -> dict:
             m.weight.data, m.bias.data = m.weight.data.half(), m.bias.data.half()
 
         def forward(self, x):
+            # float16 under the GPU's autocast; without one (the CPU smoke run) back to x's dtype
+            out = torch.float16 if torch.is_autocast_enabled(DEVICE.type) else x.dtype
             with torch.autocast(DEVICE.type, enabled=False):
                 return torch.nn.functional.layer_norm(
                     x.half(), self.normalized_shape, self.weight, self.bias, self.eps
-                )
+                ).to(out)
 
-        torch.nn.LayerNorm.forward, original = forward, torch.nn.LayerNorm.forward
+        # On the estimator's norms only: the encoder's run in float32 outside autocast.
+        for m in norms:
+            m.forward = forward.__get__(m)
         try:
             yield
         finally:
-            torch.nn.LayerNorm.forward = original
             for m, (w, b) in zip(norms, kept, strict=True):
+                del m.forward
                 m.weight.data, m.bias.data = w, b
 
     backends = torch.nn.attention.SDPBackend

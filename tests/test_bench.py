@@ -323,7 +323,7 @@ def test_options_keep_the_earlier_flags_and_add_first_hop_and_eager_flow():
 def test_compiling_reaches_the_serve_options_and_is_no_variant_field(capsys, field):
     flag = "--" + field.replace("_", "-")
     assert getattr(parse_args([flag]).serve, field)
-    assert not getattr(parse_args([]).serve, field)
+    assert not getattr(parse_args([]).serve, field)  # compile_hift: None, on a GPU only
     with pytest.raises(SystemExit):  # it changes the model's flow or HiFT, not the swapped worker
         parse_args(["--variant", f"fused:{field}=true"])
     assert f"'{field}' is not one of" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""--compile-flow: the flow estimator's pieces compiled by inductor give the eager mel in both flow
-paths (tiny model, CPU, float32), and the option reaches the engine from the command line."""
+"""--compile-flow: the flow estimator compiled by inductor (its forward whole, its pieces where the
+incremental flow calls them) gives the eager mel in both flow paths (tiny model, CPU, float32), and
+the option reaches the engine from the command line."""
 
 import contextlib
 import copy
@@ -14,7 +15,7 @@ from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_e
 from cosyapp.engine.token2wav.incremental import IncrementalEstimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool
 from cosyapp.models.checkpoint import load_model
-from cosyapp.models.flow_estimator import CausalBlock1D, TransformerBlock
+from cosyapp.models.flow_estimator import CausalBlock1D, CausalConditionalDecoder, TransformerBlock
 from cosyapp.options import ServeOptions
 
 
@@ -81,23 +82,31 @@ def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fus
         assert_close(got_mel, want_mel)
 
 
-def test_one_compiled_graph_serves_every_block(fused):
-    model, _ = fused
-    est = raw_estimator(model.flow)
-    p = prompt(25, seed=7)
-    tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(8))
-    with torch.inference_mode():
-        whole(model.flow, p, tokens)
-    blocks = sum(isinstance(m, TransformerBlock) for m in est.modules())
-    causal_blocks = sum(isinstance(m, CausalBlock1D) for m in est.modules())
-    assert blocks > 1 and causal_blocks > 1
-    # One graph per call kind (inference or not, the two attention modes' shapes), never one per block.
-    for cls, name in (
-        (TransformerBlock, "qkv"),
-        (TransformerBlock, "after_attention"),
-        (CausalBlock1D, "finish"),
-    ):
-        assert 1 <= compiled_graphs(cls, name) <= 2, name
+def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_path):
+    """The forward: one graph per attention mode, whatever the length; the incremental flow's pieces:
+    one graph (two with the batch-of-one one) for all the blocks, never one per block or length."""
+    graphs = {
+        "forward": lambda: compiled_graphs(CausalConditionalDecoder, "forward"),
+        "after_attention": lambda: compiled_graphs(TransformerBlock, "after_attention"),
+        "finish": lambda: compiled_graphs(CausalBlock1D, "finish"),
+    }
+    torch._dynamo.reset()  # the graphs are shared by every copy of the estimator: count from none
+    with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model, torch.inference_mode():
+        for n, seed in ((40, 7), (65, 8)):  # two lengths in each mode
+            p = prompt(25, seed=seed)
+            tokens = torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))
+            whole(model.flow, p, tokens)
+            recompute(model.flow, p, tokens, final=True)
+        p = prompt(37, seed=5)
+        tokens = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(6))
+        calls = schedule(37, len(tokens), 25)
+        stream_frames(model.flow, pool(model), p, tokens, calls)
+        est = raw_estimator(model.flow)
+        assert sum(isinstance(m, TransformerBlock) for m in est.modules()) > 1
+        assert sum(isinstance(m, CausalBlock1D) for m in est.modules()) > 1
+    added = {name: count() for name, count in graphs.items()}
+    assert added["forward"] == 2, added  # full attention over a whole clip, streaming masks
+    assert 1 <= added["after_attention"] <= 2 and 1 <= added["finish"] <= 2, added
 
 
 def test_compiled_kernels_are_kept_under_the_serving_cache_dir(fused):

@@ -49,3 +49,10 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
     assert compiled_graphs() == 1  # every stage's channels, both lengths
     vocode(fused.hift, torch.randn(1, 80, 30) - 5)
     assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
+
+
+def test_by_default_hift_is_compiled_on_a_gpu_only(tiny_model_dir, tmp_path):
+    """compile_hift None (the default) on this CPU: the Snakes stay eager; False anywhere too."""
+    for choice in (None, False):
+        with built_copy(tiny_model_dir, tmp_path, compile_hift=choice) as model:
+            assert not any("forward" in vars(m) for m in model.hift.modules() if isinstance(m, Snake))

@@ -158,12 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--compile-flow",
         action="store_true",
-        help="the flow estimator's memory-bound work as kernels fused by torch.compile (as serve's flag)",
+        help="the flow estimator compiled by torch.compile (as serve's flag)",
     )
     add(
         "--compile-hift",
-        action="store_true",
-        help="HiFT's Snake activations as kernels compiled by torch.compile (as serve's flag)",
+        action=argparse.BooleanOptionalAction,
+        help="HiFT's Snake activations as kernels compiled by torch.compile (as serve's flag; "
+        "default: on a GPU)",
     )
     add(
         "--lm-in-process",

@@ -83,7 +83,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
-    if options.compile_hift:
+    if options.compile_hift or (options.compile_hift is None and model.device.type == "cuda"):
         from cosyapp.engine.token2wav.fused import fuse_hift
 
         # Before any HiFT graph is captured: the graphs then replay the compiled kernels.

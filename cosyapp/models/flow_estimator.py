@@ -165,7 +165,8 @@ class TransformerBlock(nn.Module):
         return self.after_attention(x, attended)
 
     # The block's memory-bound work lives in these two methods, which the recompute and the
-    # incremental flow share and engine/token2wav/fused.py compiles (the attention stays SDPA).
+    # incremental flow share; engine/token2wav/fused.py compiles after_attention for the incremental
+    # flow (the forward it compiles whole).
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys, values (B, heads, T, head_dim) of norm1(x), x (B, T, dim)."""
         return self.attn1.qkv(self.norm1(x))
@@ -237,7 +238,8 @@ class CausalConditionalDecoder(nn.Module):
         """
         t_emb = self.time_mlp(time_embedding(t, self.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        attn_mask = None if all_valid and not streaming else self._attention_bias(mask, streaming, h)
+        # streaming first: a compiled forward (fused.py) then has one graph for streaming calls, not two.
+        attn_mask = None if not streaming and all_valid else self._attention_bias(mask, streaming, h)
 
         resnet, blocks, conv = self.down_blocks[0]
         h = self._attend(blocks, resnet(h, mask, t_emb), attn_mask)

@@ -1,12 +1,20 @@
-"""The flow estimator's memory-bound work compiled by torch.compile (inductor): ``--compile-flow``.
+"""The flow estimator and HiFT compiled by torch.compile (inductor): ``--compile-flow``, ``--compile-hift``.
 
-Eager, the estimator's LayerNorms, Mish, GELU, mask multiplies and residual adds are a kernel each
-and take about half of an H200's time at batch 64 (docs/model.md §6.6). The estimator keeps that
-work in three methods that the recompute and the incremental flow both call
-(``TransformerBlock.qkv`` and ``after_attention``, ``CausalBlock1D.finish``); here each is compiled
-once with dynamic shapes and put on every instance, so one compiled graph serves all the blocks
-(the modules are inlined, their parameters are graph inputs) and the pointwise work around each
-LayerNorm and GEMM runs as one kernel. Attention and the convolutions stay as they are.
+Eager, the estimator's LayerNorms, Mish, GELU, casts, mask multiplies and residual adds are a kernel
+each and take about half of the GPU's time at batch 64 (docs/model.md §6.6). ``--compile-flow``:
+
+- the estimator's forward (the recompute path: whole clips, each stream's final chunk at full
+  attention, and chunks that fall back) is compiled whole, one graph with dynamic shapes per
+  attention mode, so the pointwise work between the matrix products and attention is fused across
+  each block. Measured on an H100 (docs/benchmarks/README.md, "Compiling the flow"): 1.27x, 1.34x
+  and 1.46x on 1, 16 and 64 whole clips, after 136-148 s of compiling per mode from an empty cache.
+- the incremental flow's step (engine/token2wav/incremental.py) calls the estimator's modules
+  itself, so there the memory-bound pieces it shares with the forward
+  (``TransformerBlock.after_attention``, ``CausalBlock1D.finish``) are compiled once each with
+  dynamic shapes and put on every instance: one compiled graph serves all the blocks (the modules
+  are inlined, their parameters are graph inputs). The forward's graph inlines them too. Compiling
+  the incremental step whole would fuse more, but on the same H100 its first graph had not finished
+  compiling after 7 minutes, and one stream's calls need three (docs/model.md §8.7).
 
 Inductor runs here without CUDA graphs of its own: the graphs of graphs.py and incremental.py
 capture the compiled kernels. Results match eager within float rounding.
@@ -21,7 +29,7 @@ import torch
 from cosyapp.models.flow_estimator import CausalBlock1D, CausalConditionalDecoder, TransformerBlock
 from cosyapp.models.hift import HiFTGenerator, Snake, snake
 
-PIECES = ((TransformerBlock, "qkv"), (TransformerBlock, "after_attention"), (CausalBlock1D, "finish"))
+PIECES = ((TransformerBlock, "after_attention"), (CausalBlock1D, "finish"))
 
 
 @functools.cache
@@ -32,13 +40,16 @@ def _compiled(cls: type, name: str, mode: str | None):
 def fuse_estimator(
     estimator: CausalConditionalDecoder, cache_dir: Path | None = None, mode: str | None = None
 ) -> None:
-    """Run ``estimator``'s memory-bound pieces through their compiled versions, in place.
+    """Run ``estimator``'s forward, and its memory-bound pieces where the incremental flow calls
+    them, through compiled versions, in place (see the module docstring).
 
     cache_dir: where inductor keeps compiled kernels, so a restart reuses them; a
-    TORCHINDUCTOR_CACHE_DIR set by the user wins. Compiling happens on each piece's first call (the
-    start-up warm-up). mode: torch.compile's (None: its default); "max-autotune-no-cudagraphs" also
-    times Triton templates for the matrix products, with the pointwise work after them fused in, and
-    picks them where they beat the library's (scripts/flow_compile_speed.py measures it).
+    TORCHINDUCTOR_CACHE_DIR set by the user wins. Compiling happens on the first call of each piece
+    and of each attention mode of the forward (the start-up warm-up meets them all). mode:
+    torch.compile's (None: its default); "max-autotune-no-cudagraphs" also times Triton templates for
+    the matrix products, with the pointwise work after them fused in, and picks them where they beat
+    the library's (measured on the whole forward: faster at 23 clips, slower at 64, and 335 s of
+    compiling; docs/benchmarks/README.md).
     """
     if cache_dir is not None:
         use_cache_dir(cache_dir)
@@ -47,6 +58,8 @@ def fuse_estimator(
             if isinstance(module, cls):
                 # An instance attribute shadows the class's method for this module only.
                 setattr(module, name, functools.partial(_compiled(cls, name, mode), module))
+    # An instance attribute again: nn.Module's call runs it in place of the class's forward.
+    estimator.forward = torch.compile(type(estimator).forward.__get__(estimator), dynamic=True, mode=mode)
 
 
 def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | None = None) -> None:
