@@ -12,6 +12,7 @@ from test_flow_cache import assert_close, prompt, recompute, schedule, stream_fr
 
 from cosyapp.engine.build import build_pipeline
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.graphs import GraphedEstimator, capture_estimator_graphs
 from cosyapp.engine.token2wav.incremental import IncrementalEstimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool
 from cosyapp.models.checkpoint import load_model
@@ -107,6 +108,24 @@ def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_pat
     added = {name: count() for name, count in graphs.items()}
     assert added["forward"] == 2, added  # full attention over a whole clip, streaming masks
     assert 1 <= added["after_attention"] <= 2 and 1 <= added["finish"] <= 2, added
+
+
+def test_the_start_compiles_the_mode_no_graph_bucket_captures(tiny_model_dir, tmp_path):
+    """The worker's start (capture_estimator_graphs) runs a compiled forward without a mask too, so
+    calls past the buckets do not compile during a request."""
+    torch._dynamo.reset()
+    with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model:
+        decoder = model.flow.decoder
+        decoder.estimator = GraphedEstimator(decoder.estimator, use_graphs=False)  # as on a GPU
+        assert compiled_graphs(CausalConditionalDecoder, "forward") == 0
+        capture_estimator_graphs(model, None)
+        assert compiled_graphs(CausalConditionalDecoder, "forward") == 1
+        p = prompt(25, seed=9)
+        tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(9))
+        with torch.inference_mode():
+            decoder.estimator.max_cells = 0  # past the buckets: eager, no mask
+            whole(model.flow, p, tokens)
+        assert compiled_graphs(CausalConditionalDecoder, "forward") == 1  # nothing more to compile
 
 
 def test_compiled_kernels_are_kept_under_the_serving_cache_dir(fused):

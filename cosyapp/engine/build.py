@@ -14,6 +14,7 @@ from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextFrontend
 from cosyapp.models.checkpoint import BACKBONE_DIR
 from cosyapp.models.cosyvoice2 import CosyVoice2
+from cosyapp.models.flow import CausalMaskedDiffWithXvec
 from cosyapp.options import ENGINES, ServeOptions
 
 log = logging.getLogger(__name__)
@@ -88,24 +89,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
 
         # Before any HiFT graph is captured: the graphs then replay the compiled kernels.
         fuse_hift(model.hift, options.cache_dir / "inductor")
-    flow_dtype = flow_autocast_dtype(model, options)
-    if flow_dtype is not None and model.device.type == "cuda" and model.flow.matmul_dtype is None:
-        from cosyapp.engine.token2wav.precision import cast_matmul_weights
-
-        # Before graphs are captured and before the incremental flow concatenates its projections.
-        cast_matmul_weights(model.flow, flow_dtype)
-    if options.compile_flow:
-        from cosyapp.engine.token2wav.flow_cache import raw_estimator
-        from cosyapp.engine.token2wav.fused import fuse_estimator
-
-        # Before any graph is captured: the graphs then replay the compiled kernels.
-        fuse_estimator(raw_estimator(model.flow), options.cache_dir / "inductor")
-    if options.cuda_graphs and model.device.type == "cuda":
-        from cosyapp.engine.token2wav.graphs import GraphedEstimator
-
-        decoder = model.flow.decoder
-        if not isinstance(decoder.estimator, GraphedEstimator):
-            decoder.estimator = GraphedEstimator(decoder.estimator)
+    prepare_flow(model.flow, model.device, options)
     return Pipeline(
         model,
         TextFrontend(model.model_dir / BACKBONE_DIR, max_chars=options.max_text_chars),
@@ -118,18 +102,42 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     )
 
 
-def flow_autocast_dtype(model: CosyVoice2, options: ServeOptions) -> torch.dtype | None:
+def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: ServeOptions) -> None:
+    """``flow`` made ready to serve on ``device``, in place: its matrix weights stored in the autocast
+    dtype, compiled with ``compile_flow``, its estimator replayed from CUDA graphs on a GPU (captured
+    later, by the token2wav worker's start). scripts/flow_precompile.py runs it too."""
+    flow_dtype = flow_autocast_dtype(device, options)
+    if flow_dtype is not None and device.type == "cuda" and flow.matmul_dtype is None:
+        from cosyapp.engine.token2wav.precision import cast_matmul_weights
+
+        # Before graphs are captured and before the incremental flow concatenates its projections.
+        cast_matmul_weights(flow, flow_dtype)
+    if options.compile_flow:
+        from cosyapp.engine.token2wav.flow_cache import raw_estimator
+        from cosyapp.engine.token2wav.fused import fuse_estimator
+
+        # Before any graph is captured: the graphs then replay the compiled kernels.
+        fuse_estimator(raw_estimator(flow), options.cache_dir / "inductor")
+    if options.cuda_graphs and device.type == "cuda":
+        from cosyapp.engine.token2wav.graphs import GraphedEstimator
+
+        decoder = flow.decoder
+        if not isinstance(decoder.estimator, GraphedEstimator):
+            decoder.estimator = GraphedEstimator(decoder.estimator)
+
+
+def flow_autocast_dtype(device: torch.device, options: ServeOptions) -> torch.dtype | None:
     """The dtype the flow runs in under autocast, or None for none (its own float32)."""
     if options.flow_dtype:
         return None if options.flow_dtype == "float32" else getattr(torch, options.flow_dtype)
     # upstream's fp16 mode runs the flow under fp16 autocast too
-    return torch.float16 if model.device.type == "cuda" else None
+    return torch.float16 if device.type == "cuda" else None
 
 
 def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
     """The token2wav worker over ``model`` (prepared by build_pipeline), not started."""
     on_gpu = model.device.type == "cuda"
-    flow_dtype, stored = flow_autocast_dtype(model, options), model.flow.matmul_dtype
+    flow_dtype, stored = flow_autocast_dtype(model.device, options), model.flow.matmul_dtype
     if stored is not None and stored != flow_dtype:
         raise ValueError(
             f"the flow's matrix weights are stored in {stored} (build_pipeline); a token2wav worker in "

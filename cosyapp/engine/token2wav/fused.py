@@ -59,7 +59,14 @@ def fuse_estimator(
                 # An instance attribute shadows the class's method for this module only.
                 setattr(module, name, functools.partial(_compiled(cls, name, mode), module))
     # An instance attribute again: nn.Module's call runs it in place of the class's forward.
-    estimator.forward = torch.compile(type(estimator).forward.__get__(estimator), dynamic=True, mode=mode)
+    compiled = torch.compile(type(estimator).forward.__get__(estimator), dynamic=True, mode=mode)
+    estimator.forward = functools.partial(_contiguous_call, compiled)
+
+
+def _contiguous_call(compiled, *args, **kwargs) -> torch.Tensor:
+    """The compiled forward on contiguous tensors: its graphs are specialised on the inputs' strides,
+    and the flow passes the times expanded (stride 0) where the CUDA graphs' buckets pass copies."""
+    return compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
 
 
 def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | None = None) -> None:

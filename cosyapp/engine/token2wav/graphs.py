@@ -200,7 +200,11 @@ def _fill(static: tuple[Tensor, ...], given: tuple[Tensor, ...]) -> None:
 
 def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | None) -> int:
     """Capture every bucket of ``model``'s flow estimator if it is a GraphedEstimator, for the dtype
-    the token2wav worker runs it in (``autocast_dtype``, else the flow's own). Returns the count."""
+    the token2wav worker runs it in (``autocast_dtype``, else the flow's own). Returns the count.
+
+    A compiled estimator (``--compile-flow``) is then also run once without a mask, the one attention
+    mode no bucket captures (calls past the buckets, every item the same length), so that no request
+    waits for its compile (minutes at full size)."""
     estimator = model.flow.decoder.estimator
     if not isinstance(estimator, GraphedEstimator):
         return 0
@@ -212,5 +216,8 @@ def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | 
     ):
         started = time.perf_counter()
         count = estimator.capture_all(dev, dtype)
+        if "forward" in vars(estimator.estimator):  # compiled in place by fused.fuse_estimator
+            inputs = _blank_inputs(2, FRAME_STEP, estimator.out_channels, dev, dtype)
+            estimator.estimator(*inputs, streaming=False, all_valid=True)
     log.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
     return count
