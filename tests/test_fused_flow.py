@@ -11,6 +11,7 @@ import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
 from cosyapp.engine.build import build_pipeline
+from cosyapp.engine.token2wav.compiled_blocks import attend_block, compile_blocks
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator, capture_estimator_graphs
 from cosyapp.engine.token2wav.incremental import IncrementalEstimator
@@ -39,14 +40,18 @@ def fused(tiny_model_dir, tmp_path_factory):
         yield model, cache_dir
 
 
-def pool(model) -> KVPool:
+def pool(model, inputs: bool = False) -> KVPool:
     est = raw_estimator(model.flow)
     steps = model.flow.decoder.n_timesteps
-    return KVPool(est, pages=32, steps=steps, device=torch.device("cpu"), dtype=torch.float32)
+    return KVPool(est, pages=32, steps=steps, device=torch.device("cpu"), dtype=torch.float32, inputs=inputs)
 
 
 def compiled_graphs(cls: type, name: str) -> int:
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(getattr(cls, name).__code__))
+    return compiled_graphs_of(getattr(cls, name))
+
+
+def compiled_graphs_of(fn) -> int:
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -176,3 +181,31 @@ def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):
         assert_close(got, want)
     graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(IncrementalEstimator.__call__.__code__)
     assert len(graphs) <= len(calls)  # one per call shape at most, not one per Euler step
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_block(tiny_model, padded):
+    """compiled_blocks.py: each transformer block of the incremental step through one compiled graph
+    (scripts/flow_compile_speed.py FLOW_CACHE_COMPILE_SCOPE=blocks), call by call as eager; a second
+    graph at most, for calls whose reads and writes have one size (no past pages yet). padded: the
+    calls padded to the CUDA graphs' buckets, as served on a GPU."""
+    torch._dynamo.reset()
+    p = prompt(37, seed=5)
+    tokens = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(6))
+    calls = schedule(37, len(tokens), 25)  # widths of whole pages and not, with and without a past
+    frames = {}
+    for compiled in (False, True):
+        runner = IncrementalFlow(tiny_model.flow, pool(tiny_model, inputs=True), graphs=padded)
+        if compiled:
+            compile_blocks(runner.step_fn)
+        cache, frames[compiled] = FlowCache(), []
+        with torch.inference_mode():
+            for n, final in calls:
+                [(mel, start)] = runner([FlowItem(cache, *p, tokens[:n], final)])
+                frames[compiled].append((start, mel))
+    assert len(frames[True]) == len(calls) >= 3
+    for (got_start, got), (want_start, want) in zip(frames[True], frames[False], strict=True):
+        assert got_start == want_start
+        assert_close(got, want)
+    assert sum(isinstance(m, TransformerBlock) for m in raw_estimator(tiny_model.flow).modules()) > 2
+    assert 1 <= compiled_graphs_of(attend_block) <= 2

@@ -71,6 +71,7 @@ class _StepIO:
     def __init__(self, kv: Tensor, inputs: CallInputs, new_tails: Tensor):
         self.kv, self.inputs, self.new_tails = kv, inputs, new_tails
         self.step = self.block = self.channel = 0
+        self.offsets: Tensor | None = None  # each block's first pool row, where compiled_blocks.py needs them
         # The step as a tensor of one index too: a step compiled by torch.compile
         # (scripts/flow_compile_speed.py) indexes with it, as a Python int would make a graph per step.
         self._steps = torch.arange(inputs.tails.size(0), device=inputs.tails.device)
@@ -159,6 +160,7 @@ class IncrementalEstimator:
     def __init__(self, estimator: CausalConditionalDecoder, inputs: bool = False):
         self.est = estimator
         self.inputs = inputs
+        self.attend_block = None  # where set, runs each transformer block (compiled_blocks.py)
         blocks = [block for stage in transformer_stages(estimator) for block in stage]
         projections = [
             [block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight] for block in blocks
@@ -204,6 +206,9 @@ class IncrementalEstimator:
         rb, width, _ = h.shape
         for block in blocks:
             attn = block.attn1
+            if self.attend_block is not None:  # compiled_blocks.py
+                h = self.attend_block(self, block, h, io)
+                continue
             if self.inputs:
                 q, k, v = self._from_inputs(block.norm1(h), attn.heads, io)
             else:

@@ -1,5 +1,5 @@
 """How the incremental flow writes its caches (incremental.py): eagerly as 8-byte words where the
-rows allow, and when a step is compiled whole through two ops that say what they mutate."""
+rows allow, and when a step or a block is compiled through ops that say what they mutate."""
 
 import torch
 from torch import Tensor
@@ -25,6 +25,18 @@ def put_tails(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> No
 
 @put_tails.register_fake
 def _(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("cosyapp::put_rows", mutates_args=("kv",))
+def put_rows(kv: Tensor, rows: Tensor, step: Tensor, pages: Tensor) -> None:
+    """As put_pages, with the block's rows counted in the pool's first two axes taken as one (so the
+    block is a tensor too, and one compiled graph serves every block: compiled_blocks.py)."""
+    kv.flatten(0, 1)[rows, step] = pages
+
+
+@put_rows.register_fake
+def _(kv: Tensor, rows: Tensor, step: Tensor, pages: Tensor) -> None:
     return None
 
 

@@ -1,0 +1,92 @@
+"""The incremental flow's transformer blocks, each run as one graph compiled by torch.compile, one
+graph for all 56 (an experiment: scripts/flow_compile_speed.py ``FLOW_CACHE_COMPILE_SCOPE=blocks``;
+not served yet).
+
+Compiling the incremental step whole fuses everything, but its graph took minutes to compile per
+call shape (docs/model.md §8.7); compiling only the pieces the step calls (fused.py) leaves the
+attention's input norm, the pool's writes and gathers, the projections' casts and layouts as eager
+kernels. Here each block's whole attention over the pool is one compiled function: the block's
+module is inlined and its parameters, projection weights, pool rows and Euler step are inputs, so
+every block reuses one graph. Only pools of attention inputs (the default) are supported.
+"""
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cosyapp.engine.token2wav.writes import put_rows
+from cosyapp.models.flow_estimator import TransformerBlock, autocast_dtype
+
+if TYPE_CHECKING:  # incremental.py calls this module's functions through its estimator
+    from cosyapp.engine.token2wav.incremental import IncrementalEstimator, _StepIO
+
+
+def attend_block(
+    block: TransformerBlock,
+    h: Tensor,
+    q_weight: Tensor,
+    kv_weight: Tensor,
+    kv: Tensor,
+    offset: Tensor,
+    step: Tensor,
+    write_rows: Tensor,
+    read_rows: Tensor,
+    attn_mask: Tensor,
+) -> Tensor:
+    """One transformer block of the incremental step (IncrementalEstimator._attend with a pool of
+    attention inputs), h (ROWS*B, W, C): the new frames' normalised inputs go to their pages, the
+    past's and the new ones are read back with one gather, and the keys and values are projected
+    from them. offset (1,): the block's first row in the pool's rows of all blocks; step (1,)."""
+    rb, width, _ = h.shape
+    heads = block.attn1.heads
+    normed = block.norm1(h)
+    normed = normed.to(autocast_dtype(normed.device) or q_weight.dtype)  # as _from_inputs
+    q = F.linear(normed, q_weight).view(rb, width, heads, -1).transpose(1, 2)
+    page = kv.size(3)
+    n_pages = -(-width // page)
+    # Up to whole pages, the last new frame again where eager pads zeros: those slots are masked keys
+    # and never committed, so the result is the same; a padding (of width 0 at times) would make
+    # dynamo compile one graph for widths of whole pages and another for the rest.
+    paged = normed[:, torch.arange(n_pages * page, device=h.device).clamp(max=width - 1)]
+    put_rows(kv, offset + write_rows, step, paged.reshape(rb * n_pages, page, -1).to(kv.dtype))
+    seen = kv.flatten(0, 1)[offset + read_rows, step]  # (ROWS*B*(Pp + Wp), page, C)
+    seen = seen.view(rb, -1, seen.size(-1)).to(normed.dtype)
+    # The new frames over their pages' slots (the trash page's hold other streams' frames), by
+    # position rather than by slices, which can be empty (no past yet; widths of whole pages).
+    at = torch.arange(seen.size(1), device=h.device) - (seen.size(1) - n_pages * page)
+    fresh = ((at >= 0) & (at < width)).view(1, -1, 1)
+    seen = torch.where(fresh, paged[:, at.clamp(min=0)], seen)
+    kvp = F.linear(seen, kv_weight).view(rb, seen.size(1), 2, heads, -1)
+    keys, values = kvp[:, :, 0].transpose(1, 2), kvp[:, :, 1].transpose(1, 2)
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+    return block.after_attention(h, attended)
+
+
+@functools.cache
+def compiled_attend_block(mode: str | None = None):
+    """attend_block compiled with dynamic shapes (one per torch.compile mode)."""
+    return torch.compile(attend_block, dynamic=True, mode=mode)
+
+
+def compile_blocks(step_fn: "IncrementalEstimator", mode: str | None = None) -> None:
+    """``step_fn`` runs each transformer block through the compiled attend_block from now on."""
+    if not step_fn.inputs:
+        raise ValueError("compiled blocks need a pool of attention inputs")
+    step_fn.attend_block = functools.partial(_run_block, compiled_attend_block(mode))
+
+
+def _run_block(compiled, step_fn: "IncrementalEstimator", block: TransformerBlock, h: Tensor, io: "_StepIO"):
+    """The step's next block through ``compiled``: the Python-side bookkeeping (which block, its
+    weights, its rows as a tensor) stays outside the graph, so no guard tells the blocks apart."""
+    i, inputs, kv = io.block, io.inputs, io.kv
+    io.block += 1
+    if io.offsets is None:  # made on the device, as a CUDA graph's capture allows
+        io.offsets = torch.arange(kv.size(0), device=kv.device) * kv.size(1)
+    weights = step_fn.q_weights[i], step_fn.kv_weights[i]
+    offset = io.offsets[i : i + 1]
+    return compiled(
+        block, h, *weights, kv, offset, io.step_t, inputs.write_rows, inputs.read_rows, inputs.attn_mask
+    )
