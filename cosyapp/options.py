@@ -48,8 +48,9 @@ class ServeOptions:
         each stream's past in every call; the same audio (engine/token2wav/pages.py). On by default
         (measured: docs/benchmarks/README.md); False keeps keys and values.
     compile_flow: compile the flow estimator with torch.compile (engine/token2wav/fused.py): its
-        forward whole (the recompute path), its memory-bound pieces for the incremental flow; the
-        first start compiles them (minutes on a GPU), later starts read them from cache_dir/inductor.
+        forward whole (the recompute path), its transformer blocks for the incremental flow (with a
+        pool of attention inputs; else its memory-bound pieces); the first start compiles them
+        (minutes on a GPU), later starts read them from cache_dir/inductor.
     compile_hift: run each of HiFT's Snake activations as one kernel compiled by torch.compile
         (engine/token2wav/fused.py fuse_hift) instead of five; cached as compile_flow's. None (the
         default): where the model is on a GPU (measured there: docs/benchmarks/README.md).

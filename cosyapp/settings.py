@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-flow",
         action="store_true",
         default=_flag("COMPILE_FLOW"),
-        help="compile the flow estimator with torch.compile (its forward whole, its LayerNorms and "
-        "pointwise work for the incremental flow): the first start compiles them, minutes on a GPU "
+        help="compile the flow estimator with torch.compile (its forward whole, its transformer blocks "
+        "for the incremental flow): the first start compiles them, minutes on a GPU "
         "(kept under --cache-dir for later starts); the same audio within float rounding (env "
         "COSYAPP_COMPILE_FLOW=1)",
     )

@@ -74,14 +74,17 @@ def whole(flow, p, tokens):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fused, padded):
-    """padded: the calls padded to the CUDA graphs' buckets, as served on a GPU."""
+@pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
+def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fused, padded, inputs):
+    """padded: the calls padded to the CUDA graphs' buckets, as served on a GPU. inputs: a pool of
+    attention inputs, whose step runs its transformer blocks compiled (compiled_blocks.py)."""
     model, _ = fused
+    assert (IncrementalFlow(model.flow, pool(model, inputs)).step_fn.attend_block is not None) == inputs
     p = prompt(37, seed=5)
     tokens = torch.randint(0, 6561, (260,), generator=torch.Generator().manual_seed(6))
     calls = schedule(37, len(tokens), 25)
-    got = stream_frames(model.flow, pool(model), p, tokens, calls, padded=padded)
-    want = stream_frames(tiny_model.flow, pool(tiny_model), p, tokens, calls, padded=padded)
+    got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)
+    want = stream_frames(tiny_model.flow, pool(tiny_model, inputs), p, tokens, calls, padded=padded)
     assert len(got) == len(calls) > 3
     for (got_start, got_mel), (want_start, want_mel) in zip(got, want, strict=True):
         assert got_start == want_start

@@ -1,6 +1,6 @@
 """The incremental flow's transformer blocks, each run as one graph compiled by torch.compile, one
-graph for all 56 (an experiment: scripts/flow_compile_speed.py ``FLOW_CACHE_COMPILE_SCOPE=blocks``;
-not served yet).
+graph for all 56: with ``--compile-flow`` where the pool keeps attention inputs (the default;
+IncrementalFlow sets it up). Not yet measured on a GPU (scripts/flow_compile_speed.py).
 
 Compiling the incremental step whole fuses everything, but its graph took minutes to compile per
 call shape (docs/model.md §8.7); compiling only the pieces the step calls (fused.py) leaves the

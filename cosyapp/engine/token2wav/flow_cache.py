@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyapp.engine.token2wav.compiled_blocks import compile_blocks
+from cosyapp.engine.token2wav.fused import is_compiled
 from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.incremental import (
     ROWS,
@@ -214,7 +216,10 @@ class IncrementalFlow:
         """graphs: pad calls to shape buckets and replay them from CUDA graphs (on a CPU the padded
         calls run eagerly, which checks the padding)."""
         self.flow, self.pool = flow, pool
-        self.step_fn = IncrementalEstimator(raw_estimator(flow), pool.inputs)
+        estimator = raw_estimator(flow)
+        self.step_fn = IncrementalEstimator(estimator, pool.inputs)
+        if pool.inputs and is_compiled(estimator):  # --compile-flow: the step's blocks too
+            compile_blocks(self.step_fn)
         cfg_rate = flow.decoder.inference_cfg_rate
         self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
 

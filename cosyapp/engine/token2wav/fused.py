@@ -12,9 +12,11 @@ each and take about half of the GPU's time at batch 64 (docs/model.md §6.6). ``
   itself, so there the memory-bound pieces it shares with the forward
   (``TransformerBlock.after_attention``, ``CausalBlock1D.finish``) are compiled once each with
   dynamic shapes and put on every instance: one compiled graph serves all the blocks (the modules
-  are inlined, their parameters are graph inputs). The forward's graph inlines them too. Compiling
-  the incremental step whole would fuse more, but on the same H100 its first graph had not finished
-  compiling after 7 minutes, and one stream's calls need three (docs/model.md §8.7).
+  are inlined, their parameters are graph inputs). The forward's graph inlines them too. With a pool
+  of attention inputs (the default), each transformer block of the step is compiled whole instead
+  (compiled_blocks.py; IncrementalFlow sees ``is_compiled``). Compiling the incremental step whole
+  would fuse more, but on the same H100 its first graph had not finished compiling after 7
+  minutes, and one stream's calls need three (docs/model.md §8.7).
 
 Inductor runs here without CUDA graphs of its own: the graphs of graphs.py and incremental.py
 capture the compiled kernels. Results match eager within float rounding.
@@ -61,6 +63,11 @@ def fuse_estimator(
     # An instance attribute again: nn.Module's call runs it in place of the class's forward.
     compiled = torch.compile(type(estimator).forward.__get__(estimator), dynamic=True, mode=mode)
     estimator.forward = functools.partial(_contiguous_call, compiled)
+
+
+def is_compiled(estimator: CausalConditionalDecoder) -> bool:
+    """Whether fuse_estimator compiled ``estimator`` (its forward is then an instance attribute)."""
+    return "forward" in vars(estimator)
 
 
 def _contiguous_call(compiled, *args, **kwargs) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor, nn
 
+from cosyapp.engine.token2wav.fused import is_compiled
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | 
     ):
         started = time.perf_counter()
         count = estimator.capture_all(dev, dtype)
-        if "forward" in vars(estimator.estimator):  # compiled in place by fused.fuse_estimator
+        if is_compiled(estimator.estimator):
             inputs = _blank_inputs(2, FRAME_STEP, estimator.out_channels, dev, dtype)
             estimator.estimator(*inputs, streaming=False, all_valid=True)
     log.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
