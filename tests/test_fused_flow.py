@@ -151,64 +151,49 @@ def test_a_cache_dir_the_user_chose_is_kept(tiny_model, tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+def assert_compiled_calls_match_eager(model, total: int, compile_step, padded: bool = False) -> None:
+    """One stream's incremental calls on a pool of attention inputs (37 prompt tokens, ``total``
+    generated, a first hop of 25) give the same frames, call by call, eagerly and with
+    ``compile_step(runner)`` applied. padded: the calls padded to the CUDA graphs' buckets."""
+    p = prompt(37, seed=5)
+    tokens = torch.randint(0, 6561, (total,), generator=torch.Generator().manual_seed(6))
+    calls = schedule(37, len(tokens), 25)  # widths of whole pages and not, with and without a past
+    frames = {}
+    for compiled in (False, True):
+        runner = IncrementalFlow(model.flow, pool(model, inputs=True), graphs=padded)
+        if compiled:
+            compile_step(runner)
+        cache, frames[compiled] = FlowCache(), []
+        with torch.inference_mode():
+            for n, final in calls:
+                [(mel, start)] = runner([FlowItem(cache, *p, tokens[:n], final)])
+                frames[compiled].append((start, mel))
+    assert len(frames[True]) == len(calls) >= 3
+    for (got_start, got), (want_start, want) in zip(frames[True], frames[False], strict=True):
+        assert got_start == want_start
+        assert_close(got, want)
+
+
 def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):
     """The step as one compiled graph, pool reads and writes included (what scripts/flow_compile_speed.py
     measures with FLOW_CACHE_COMPILE_SCOPE=step): the caches' step is indexed through a tensor, so
     one graph serves all ten steps, and the frames are eager's, call by call."""
-    p = prompt(37, seed=5)
-    tokens = torch.randint(0, 6561, (100,), generator=torch.Generator().manual_seed(6))
-    calls = schedule(37, len(tokens), 25)
-    frames = {}
-    for compiled in (False, True):
-        est = raw_estimator(tiny_model.flow)
-        cpu = torch.device("cpu")
-        kv = KVPool(
-            est,
-            pages=16,
-            steps=tiny_model.flow.decoder.n_timesteps,
-            device=cpu,
-            dtype=torch.float32,
-            inputs=True,
-        )
-        runner = IncrementalFlow(tiny_model.flow, kv)
-        if compiled:
-            runner.step_fn = torch.compile(runner.step_fn.__call__, dynamic=True)
-        cache, frames[compiled] = FlowCache(), []
-        with torch.inference_mode():
-            for n, final in calls:
-                [(mel, start)] = runner([FlowItem(cache, *p, tokens[:n], final)])
-                frames[compiled].append((start, mel))
-    assert len(frames[True]) == len(calls) >= 3
-    for (got_start, got), (want_start, want) in zip(frames[True], frames[False], strict=True):
-        assert got_start == want_start
-        assert_close(got, want)
+
+    def compile_step(runner):
+        runner.step_fn = torch.compile(runner.step_fn.__call__, dynamic=True)
+
+    assert_compiled_calls_match_eager(tiny_model, 100, compile_step)
     graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(IncrementalEstimator.__call__.__code__)
-    assert len(graphs) <= len(calls)  # one per call shape at most, not one per Euler step
+    assert len(graphs) <= 3  # one per call at most (3 of them), not one per Euler step
 
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_block(tiny_model, padded):
-    """compiled_blocks.py: each transformer block of the incremental step through one compiled graph
-    (scripts/flow_compile_speed.py FLOW_CACHE_COMPILE_SCOPE=blocks), call by call as eager; a second
-    graph at most, for calls whose reads and writes have one size (no past pages yet). padded: the
-    calls padded to the CUDA graphs' buckets, as served on a GPU."""
+    """compiled_blocks.py (--compile-flow with a pool of attention inputs): each transformer block of
+    the incremental step through one compiled graph, call by call as eager; a second graph at most,
+    for calls whose reads and writes have one size (no past pages yet). padded: the calls padded to
+    the CUDA graphs' buckets, as served on a GPU."""
     torch._dynamo.reset()
-    p = prompt(37, seed=5)
-    tokens = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(6))
-    calls = schedule(37, len(tokens), 25)  # widths of whole pages and not, with and without a past
-    frames = {}
-    for compiled in (False, True):
-        runner = IncrementalFlow(tiny_model.flow, pool(tiny_model, inputs=True), graphs=padded)
-        if compiled:
-            compile_blocks(runner.step_fn)
-        cache, frames[compiled] = FlowCache(), []
-        with torch.inference_mode():
-            for n, final in calls:
-                [(mel, start)] = runner([FlowItem(cache, *p, tokens[:n], final)])
-                frames[compiled].append((start, mel))
-    assert len(frames[True]) == len(calls) >= 3
-    for (got_start, got), (want_start, want) in zip(frames[True], frames[False], strict=True):
-        assert got_start == want_start
-        assert_close(got, want)
+    assert_compiled_calls_match_eager(tiny_model, 160, lambda runner: compile_blocks(runner.step_fn), padded)
     assert sum(isinstance(m, TransformerBlock) for m in raw_estimator(tiny_model.flow).modules()) > 2
     assert 1 <= compiled_graphs_of(attend_block) <= 2
