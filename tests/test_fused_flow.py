@@ -197,3 +197,22 @@ def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_bloc
     assert_compiled_calls_match_eager(tiny_model, 160, lambda runner: compile_blocks(runner.step_fn), padded)
     assert sum(isinstance(m, TransformerBlock) for m in raw_estimator(tiny_model.flow).modules()) > 2
     assert 1 <= compiled_graphs_of(attend_block) <= 2
+
+
+def test_the_worker_with_the_compiled_flow_streams_the_eager_audio(tiny_model, fused):
+    """The token2wav worker over the --compile-flow model (its thread compiling and running the
+    step's blocks, the final chunks through the compiled forward) streams the eager model's audio."""
+    from test_token2wav import _run
+    from test_token2wav_cached import POOL, SPECS, assert_same_chunks, streams
+
+    model, _ = fused
+    want = _run(tiny_model, lambda e: streams(e, SPECS), flow_cache_bytes=POOL)
+
+    async def main(engine):
+        return await streams(engine, SPECS), engine.cached, engine.stats()
+
+    got, cached, stats = _run(model, main, flow_cache_bytes=POOL)
+    for g, w in zip(got, want, strict=True):
+        assert_same_chunks(g, w)
+    assert cached.pool.inputs and cached.flow.step_fn.attend_block is not None
+    assert stats.incremental_jobs > 0 and stats.recompute_jobs == len(SPECS)
