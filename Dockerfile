@@ -10,10 +10,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Versions come from the base image's release; curl serves the health check.
+# Versions come from the base image's release; curl serves the health check. Triton, which runs what
+# torch.compile makes (vLLM's graphs, --compile-hift, --compile-flow), builds its launcher modules with
+# a C compiler and Python's headers when they are first used: the runtime image has neither.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv curl \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev curl \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 app \
     && useradd --create-home --uid 10001 --gid app app \

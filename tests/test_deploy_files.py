@@ -97,6 +97,18 @@ def test_the_dockerfile_builds_with_the_readme_install_step_and_runs_the_readme_
     assert " ".join(json.loads(cmd)) == start
 
 
+def test_the_image_has_the_c_toolchain_tritons_launchers_need():
+    """torch.compile's kernels (vLLM's, --compile-hift on a GPU by default) run through Triton, which
+    compiles a C launcher module against Python's headers on first use; the CUDA runtime base image
+    has no compiler."""
+    [install] = [
+        args for name, args in dockerfile_instructions() if name == "RUN" and "apt-get install" in args
+    ]
+    packages = set(install.split("apt-get install", 1)[1].split("&&", 1)[0].split())
+    assert {"gcc", "libc6-dev", "python3-dev"} <= packages
+    assert "-runtime-" in dict(dockerfile_instructions())["FROM"]  # else the toolkit image has them
+
+
 def test_the_dockerfile_runs_unprivileged_with_volumes_env_and_a_health_check():
     instructions = dockerfile_instructions()
     one = dict(instructions)  # USER, VOLUME, HEALTHCHECK: one of each
