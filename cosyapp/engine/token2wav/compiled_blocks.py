@@ -2,12 +2,13 @@
 graph for all 56: with ``--compile-flow`` where the pool keeps attention inputs (the default;
 IncrementalFlow sets it up). Not yet measured on a GPU (scripts/flow_compile_speed.py).
 
-Compiling the incremental step whole fuses everything, but its graph took minutes to compile per
-call shape (docs/model.md §8.7); compiling only the pieces the step calls (fused.py) leaves the
-attention's input norm, the pool's writes and gathers, the projections' casts and layouts as eager
-kernels. Here each block's whole attention over the pool is one compiled function: the block's
-module is inlined and its parameters, projection weights, pool rows and Euler step are inputs, so
-every block reuses one graph. Only pools of attention inputs (the default) are supported.
+Compiling the incremental step whole fuses everything, but on an H100 its first graph had not
+finished compiling after 7 minutes (docs/model.md §8.7); compiling only the pieces the step calls
+(fused.py) leaves the attention's input norm, the pool's writes and gathers, the projections'
+casts and layouts as eager kernels. Here each block's whole attention over the pool is one compiled
+function: the block's module is inlined and its parameters, projection weights, pool rows and Euler
+step are inputs, so every block reuses one graph. Only pools of attention inputs (the default) are
+supported.
 """
 
 import functools
