@@ -1,9 +1,10 @@
 """--compile-flow's graphs compiled ahead of an engine's start, and timed, on a CUDA machine:
 CosyVoice2-0.5B flow sizes with random weights, prepared as the engine prepares its flow
 (engine/build.py prepare_flow), then every CUDA-graph bucket of the estimator captured as the
-token2wav worker's start does (compiling the two graphed attention modes), then whole clips past
-the buckets (full attention without a mask, the third mode). Prints JSON lines and writes them to
-the file given.
+token2wav worker's start does (compiling the two graphed attention modes, then the third, full
+attention without a mask), then whole clips past the buckets, which run that third mode and should
+compile nothing more (their first call's time says so). Prints JSON lines and writes them to the
+file given.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONPATH=$PWD python scripts/flow_precompile.py [out.json]
 
