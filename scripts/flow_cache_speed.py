@@ -131,12 +131,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
-def setup(out: str) -> tuple:
-    """(flow in float32, served flow, voice, tokens, calls, emit): what both speed scripts start from;
-    ``emit`` prints a row and rewrites ``out`` with every row so far (a run cut short keeps them)."""
-    torch.manual_seed(0)
-    flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
-    page_bytes = KVPool.page_bytes(raw_estimator(flow), flow.decoder.n_timesteps, torch.float16, INPUTS)
+def recorder(out: str):
+    """``emit(row)``: prints the row and rewrites ``out`` with every row so far (a run cut short
+    keeps them), under the device's name and torch's version."""
     rows = []
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
 
@@ -146,6 +143,16 @@ def setup(out: str) -> tuple:
         with open(out, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
+    return emit
+
+
+def setup(out: str) -> tuple:
+    """(flow in float32, served flow, voice, tokens, calls, emit): what both speed scripts start from;
+    ``emit`` prints a row and rewrites ``out`` with every row so far (a run cut short keeps them)."""
+    torch.manual_seed(0)
+    flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
+    page_bytes = KVPool.page_bytes(raw_estimator(flow), flow.decoder.n_timesteps, torch.float16, INPUTS)
+    emit = recorder(out)
     served = copy.deepcopy(flow)  # the fp16 paths' flow; `flow` keeps float32 for the references
     if not SMOKE:
         cast_matmul_weights(served, torch.float16)

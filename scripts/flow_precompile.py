@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from flow_cache_speed import DEVICE, SMOKE, TOKENS, setup, timed, voice, whole_clip  # noqa: E402
+from flow_cache_speed import DEVICE, SMOKE, TOKENS, recorder, timed, voice, whole_clip  # noqa: E402
 
 from cosyapp.engine.build import flow_autocast_dtype, prepare_flow  # noqa: E402
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs  # noqa: E402
@@ -34,7 +34,7 @@ WHOLE_BATCHES = (1,) if SMOKE else (16, 32)
 
 
 def main() -> None:
-    _, _, _, _, _, emit = setup(sys.argv[1] if len(sys.argv) > 1 else "flow-precompile.json")
+    emit = recorder(sys.argv[1] if len(sys.argv) > 1 else "flow-precompile.json")
     torch.manual_seed(0)
     from cosyapp.models.flow import CausalMaskedDiffWithXvec
 

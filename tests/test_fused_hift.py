@@ -6,7 +6,9 @@ import pytest
 import torch
 from test_fused_flow import built_copy
 
+from cosyapp.engine.build import compiles_hift
 from cosyapp.models.hift import Snake, snake
+from cosyapp.options import ServeOptions
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,14 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
     assert compiled_graphs() == 1  # every stage's channels, both lengths
     vocode(fused.hift, torch.randn(1, 80, 30) - 5)
     assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
+
+
+def test_the_default_compiles_hift_on_a_gpu_and_a_choice_wins_anywhere():
+    """The rule build_pipeline follows; a CUDA device object needs no GPU to exist."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert compiles_hift(gpu, ServeOptions()) and not compiles_hift(cpu, ServeOptions())
+    assert not compiles_hift(gpu, ServeOptions(compile_hift=False))
+    assert compiles_hift(cpu, ServeOptions(compile_hift=True))
 
 
 def test_by_default_hift_is_compiled_on_a_gpu_only(tiny_model_dir, tmp_path):

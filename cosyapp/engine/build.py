@@ -84,7 +84,7 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if model.device.type == "cuda":
         # Launch-bound there; serving never reloads weights (see HiFTGenerator.fuse_weight_norm).
         model.hift.fuse_weight_norm()
-    if options.compile_hift or (options.compile_hift is None and model.device.type == "cuda"):
+    if compiles_hift(model.device, options):
         from cosyapp.engine.token2wav.fused import fuse_hift
 
         # Before any HiFT graph is captured: the graphs then replay the compiled kernels.
@@ -124,6 +124,12 @@ def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: 
         decoder = flow.decoder
         if not isinstance(decoder.estimator, GraphedEstimator):
             decoder.estimator = GraphedEstimator(decoder.estimator)
+
+
+def compiles_hift(device: torch.device, options: ServeOptions) -> bool:
+    """Whether HiFT's Snakes run compiled (``--compile-hift``): as chosen, or where nothing was chosen
+    (None, the default) on a GPU only, where it measured 1.2-1.5x from batch 16 on."""
+    return device.type == "cuda" if options.compile_hift is None else options.compile_hift
 
 
 def flow_autocast_dtype(device: torch.device, options: ServeOptions) -> torch.dtype | None:

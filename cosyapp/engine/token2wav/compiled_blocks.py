@@ -84,10 +84,8 @@ def _run_block(compiled, step_fn: "IncrementalEstimator", block: TransformerBloc
     weights, its rows as a tensor) stays outside the graph, so no guard tells the blocks apart."""
     i, inputs, kv = io.block, io.inputs, io.kv
     io.block += 1
-    if io.offsets is None:  # made on the device, as a CUDA graph's capture allows
-        io.offsets = torch.arange(kv.size(0), device=kv.device) * kv.size(1)
     weights = step_fn.q_weights[i], step_fn.kv_weights[i]
-    offset = io.offsets[i : i + 1]
+    offset = io.first_row(i)
     return compiled(
         block, h, *weights, kv, offset, io.step_t, inputs.write_rows, inputs.read_rows, inputs.attn_mask
     )

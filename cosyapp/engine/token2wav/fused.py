@@ -70,6 +70,15 @@ def is_compiled(estimator: CausalConditionalDecoder) -> bool:
     return "forward" in vars(estimator)
 
 
+def compile_unmasked(estimator: CausalConditionalDecoder, blank: tuple[torch.Tensor, ...]) -> None:
+    """If fuse_estimator compiled ``estimator``: compile its forward's attention mode without a mask
+    (whole clips past the CUDA graphs' buckets, every item the same length), which no bucket's
+    capture meets, by one call on ``blank`` (x, mask, mu, t, spks, cond of two rows, the mask all
+    ones)."""
+    if is_compiled(estimator):
+        estimator(*blank, streaming=False, all_valid=True)
+
+
 def _contiguous_call(compiled, *args, **kwargs) -> torch.Tensor:
     """The compiled forward on contiguous tensors: its graphs are specialised on the inputs' strides,
     and the flow passes the times expanded (stride 0) where the CUDA graphs' buckets pass copies."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.fused import is_compiled
+from cosyapp.engine.token2wav.fused import compile_unmasked
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -203,9 +203,8 @@ def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | 
     """Capture every bucket of ``model``'s flow estimator if it is a GraphedEstimator, for the dtype
     the token2wav worker runs it in (``autocast_dtype``, else the flow's own). Returns the count.
 
-    A compiled estimator (``--compile-flow``) is then also run once without a mask, the one attention
-    mode no bucket captures (calls past the buckets, every item the same length), so that no request
-    waits for its compile (minutes at full size)."""
+    A compiled estimator (``--compile-flow``) then also compiles the attention mode no bucket captures
+    (fused.compile_unmasked), so that no request waits for its compile (minutes at full size)."""
     estimator = model.flow.decoder.estimator
     if not isinstance(estimator, GraphedEstimator):
         return 0
@@ -217,8 +216,7 @@ def capture_estimator_graphs(model: "CosyVoice2", autocast_dtype: torch.dtype | 
     ):
         started = time.perf_counter()
         count = estimator.capture_all(dev, dtype)
-        if is_compiled(estimator.estimator):
-            inputs = _blank_inputs(2, FRAME_STEP, estimator.out_channels, dev, dtype)
-            estimator.estimator(*inputs, streaming=False, all_valid=True)
+        blank = _blank_inputs(2, FRAME_STEP, estimator.out_channels, dev, dtype)
+        compile_unmasked(estimator.estimator, blank)
     log.info("captured %d flow estimator graphs in %.1f s", count, time.perf_counter() - started)
     return count

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.writes import as_words, put_pages, put_tails
+from cosyapp.engine.token2wav.writes import as_words, put_rows, put_tails
 from cosyapp.models.flow import cosine_time_grid
 from cosyapp.models.flow_estimator import (
     CausalBlock1D,
@@ -71,11 +71,13 @@ class _StepIO:
     def __init__(self, kv: Tensor, inputs: CallInputs, new_tails: Tensor):
         self.kv, self.inputs, self.new_tails = kv, inputs, new_tails
         self.step = self.block = self.channel = 0
-        self.offsets: Tensor | None = None  # each block's first pool row, where compiled_blocks.py needs them
         # The step as a tensor of one index too: a step compiled by torch.compile
         # (scripts/flow_compile_speed.py) indexes with it, as a Python int would make a graph per step.
         self._steps = torch.arange(inputs.tails.size(0), device=inputs.tails.device)
         self.step_t = self._steps[:1]
+        # Each block's first row in the pool's rows of all blocks (first_row), made on the device as
+        # the steps are (a CUDA graph's capture allows no copy from the host).
+        self._offsets = torch.arange(kv.size(0), device=kv.device) * kv.size(1)
         # Where each batch entry's new tails start in a convolution's input: frames keep - 2 and
         # keep - 1 of the new ones, at columns keep and keep + 1 behind the TAIL old inputs.
         keep = inputs.keep.repeat(ROWS).view(-1, 1, 1)
@@ -84,6 +86,11 @@ class _StepIO:
     def start_step(self, step: int) -> None:
         self.step, self.block, self.channel = step, 0, 0
         self.step_t = self._steps[step : step + 1]
+
+    def first_row(self, block: int) -> Tensor:
+        """(1,) long: ``block``'s first row where the pool's block and row axes are taken as one, as
+        the compiled writes and reads index it (writes.put_rows)."""
+        return self._offsets[block : block + 1]
 
     def _at_step(self) -> int | Tensor:
         """The step to index the caches' step axis with: the int, or compiled its (1,) tensor, which
@@ -130,7 +137,7 @@ class _StepIO:
                 into, words = store, pages
             into[self.inputs.write_rows, step] = words
         else:
-            put_pages(self.kv, layer, self.inputs.write_rows, step, pages)
+            put_rows(self.kv, self.first_row(layer) + self.inputs.write_rows, step, pages)
             store = self.kv[layer]  # read after the write
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)

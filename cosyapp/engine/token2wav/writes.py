@@ -5,19 +5,9 @@ import torch
 from torch import Tensor
 
 
-# Compiled, the caches are written through these two ops: an indexed write into a graph input would be
+# Compiled, the caches are written through these ops: an indexed write into a graph input would be
 # turned into a copy of the whole input (the pool: gigabytes) with the write applied; an op that
 # says it mutates its argument is run in place.
-@torch.library.custom_op("cosyapp::put_pages", mutates_args=("kv",))
-def put_pages(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
-    kv[layer][rows, step] = pages
-
-
-@put_pages.register_fake
-def _(kv: Tensor, layer: int, rows: Tensor, step: Tensor, pages: Tensor) -> None:
-    return None
-
-
 @torch.library.custom_op("cosyapp::put_tails", mutates_args=("tails",))
 def put_tails(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
     tails[step, :, lo:hi] = kept.unsqueeze(0)
@@ -30,8 +20,9 @@ def _(tails: Tensor, step: Tensor, lo: int, hi: int, kept: Tensor) -> None:
 
 @torch.library.custom_op("cosyapp::put_rows", mutates_args=("kv",))
 def put_rows(kv: Tensor, rows: Tensor, step: Tensor, pages: Tensor) -> None:
-    """As put_pages, with the block's rows counted in the pool's first two axes taken as one (so the
-    block is a tensor too, and one compiled graph serves every block: compiled_blocks.py)."""
+    """kv (blocks, rows, steps, page, *frame): ``pages`` into rows ``rows`` of the pool's first two
+    axes taken as one, at Euler step ``step`` (1,). The block is then part of the rows, a tensor, so
+    one compiled graph serves every block (compiled_blocks.py)."""
     kv.flatten(0, 1)[rows, step] = pages
 
 
