@@ -1,6 +1,7 @@
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_COMPILE_THREADS: list[str] = []
+
+
+@pytest.fixture
+def compile_threads() -> list[str]:
+    """The names of the threads dynamo starts a compile on during the test (a start callback of
+    dynamo's own, registered at the first use)."""
+    from torch._dynamo import callback
+
+    if not getattr(compile_threads, "registered", False):
+        callback.on_compile_start(lambda _: _COMPILE_THREADS.append(threading.current_thread().name))
+        compile_threads.registered = True
+    _COMPILE_THREADS.clear()
+    return _COMPILE_THREADS
 
 
 @pytest.fixture(scope="session")

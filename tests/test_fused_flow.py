@@ -1,6 +1,6 @@
 """--compile-flow: the flow estimator compiled by inductor (its forward whole, its pieces where the
-incremental flow calls them) gives the eager mel in both flow paths (tiny model, CPU, float32), and
-the option reaches the engine from the command line."""
+incremental flow calls them; the engine's on the compile thread) gives the eager mel in both flow
+paths (tiny model, CPU, float32), and the option reaches the engine from the command line."""
 
 import contextlib
 import copy
@@ -11,11 +11,13 @@ import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
 from cosyapp.engine.build import build_pipeline
-from cosyapp.engine.token2wav.compiled_blocks import attend_block, compile_blocks
+from cosyapp.engine.token2wav import compiled_blocks, compiling
+from cosyapp.engine.token2wav.compiled_blocks import attend_block, compile_blocks, deferred_attend_block
+from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator, capture_estimator_graphs
-from cosyapp.engine.token2wav.incremental import IncrementalEstimator
-from cosyapp.engine.token2wav.pages import FlowCache, KVPool
+from cosyapp.engine.token2wav.incremental import ROWS, IncrementalEstimator
+from cosyapp.engine.token2wav.pages import TRASH, FlowCache, KVPool
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.flow_estimator import CausalBlock1D, CausalConditionalDecoder, TransformerBlock
 from cosyapp.options import ServeOptions
@@ -55,12 +57,18 @@ def compiled_graphs_of(fn) -> int:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_the_recompute_path_gives_the_eager_mel(tiny_model, fused, streaming):
+def test_the_recompute_path_gives_the_eager_mel(tiny_model, fused, streaming, compile_threads):
     model, _ = fused
     p = prompt(75, seed=3)
     tokens = torch.randint(0, 6561, (120,), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        got = recompute(model.flow, p, tokens, final=True) if streaming else whole(model.flow, p, tokens)
+        got = once_compiled(
+            lambda: (
+                recompute(model.flow, p, tokens, final=True) if streaming else whole(model.flow, p, tokens)
+            )
+        )
+        assert raw_estimator(model.flow).forward.ready
+        assert set(compile_threads) <= {"flow-compile"}  # never the caller's thread
         want = (
             recompute(tiny_model.flow, p, tokens, final=True)
             if streaming
@@ -73,6 +81,16 @@ def whole(flow, p, tokens):
     return recompute(flow, p, tokens, final=True, streaming=False)
 
 
+def once_compiled(call):
+    """``call()`` again once the compile thread has compiled what its first run met (the engine's
+    --compile-flow compiles there while the calls run eagerly: compiling.py)."""
+    first = call()
+    assert COMPILER.wait(timeout_s=900)
+    again = call()
+    assert_close(again, first)  # eager and compiled alike
+    return again
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
 def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fused, padded, inputs):
@@ -83,7 +101,9 @@ def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fus
     p = prompt(37, seed=5)
     tokens = torch.randint(0, 6561, (260,), generator=torch.Generator().manual_seed(6))
     calls = schedule(37, len(tokens), 25)
-    got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)
+    got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)  # eager
+    assert COMPILER.wait(timeout_s=900)
+    got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)  # compiled
     want = stream_frames(tiny_model.flow, pool(tiny_model, inputs), p, tokens, calls, padded=padded)
     assert len(got) == len(calls) > 3
     for (got_start, got_mel), (want_start, want_mel) in zip(got, want, strict=True):
@@ -99,7 +119,7 @@ def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_pat
         "after_attention": lambda: compiled_graphs(TransformerBlock, "after_attention"),
         "finish": lambda: compiled_graphs(CausalBlock1D, "finish"),
     }
-    torch._dynamo.reset()  # the graphs are shared by every copy of the estimator: count from none
+    compiling.reset()  # the graphs are shared by every copy of the estimator: count from none
     with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model, torch.inference_mode():
         for n, seed in ((40, 7), (65, 8)):  # two lengths in each mode
             p = prompt(25, seed=seed)
@@ -113,6 +133,7 @@ def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_pat
         est = raw_estimator(model.flow)
         assert sum(isinstance(m, TransformerBlock) for m in est.modules()) > 1
         assert sum(isinstance(m, CausalBlock1D) for m in est.modules()) > 1
+        assert COMPILER.wait(timeout_s=900)
     added = {name: count() for name, count in graphs.items()}
     assert added["forward"] == 2, added  # full attention over a whole clip, streaming masks
     assert 1 <= added["after_attention"] <= 2 and 1 <= added["finish"] <= 2, added
@@ -121,23 +142,27 @@ def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_pat
 def test_the_start_compiles_the_mode_no_graph_bucket_captures(tiny_model_dir, tmp_path):
     """The worker's start (capture_estimator_graphs) runs a compiled forward without a mask too, so
     calls past the buckets do not compile during a request."""
-    torch._dynamo.reset()
+    compiling.reset()
     with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model:
         decoder = model.flow.decoder
         decoder.estimator = GraphedEstimator(decoder.estimator, use_graphs=False)  # as on a GPU
         assert compiled_graphs(CausalConditionalDecoder, "forward") == 0
-        capture_estimator_graphs(model, None)
+        capture_estimator_graphs(model, None)  # compiles on the compile thread
+        assert COMPILER.wait(timeout_s=900)
         assert compiled_graphs(CausalConditionalDecoder, "forward") == 1
         p = prompt(25, seed=9)
         tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(9))
         with torch.inference_mode():
             decoder.estimator.max_cells = 0  # past the buckets: eager, no mask
             whole(model.flow, p, tokens)
+        assert COMPILER.wait(timeout_s=900)
         assert compiled_graphs(CausalConditionalDecoder, "forward") == 1  # nothing more to compile
 
 
 def test_compiled_kernels_are_kept_under_the_serving_cache_dir(fused):
-    _, cache_dir = fused
+    model, cache_dir = fused
+    with torch.inference_mode():
+        once_compiled(lambda: whole(model.flow, prompt(25, seed=2), torch.arange(30)))
     kept = cache_dir / "inductor"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(kept)
     assert any(f.is_file() for f in kept.rglob("*"))
@@ -193,13 +218,13 @@ def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_bloc
     the incremental step through one compiled graph, call by call as eager; a second graph at most,
     for calls whose reads and writes have one size (no past pages yet). padded: the calls padded to
     the CUDA graphs' buckets, as served on a GPU."""
-    torch._dynamo.reset()
+    compiling.reset()
     assert_compiled_calls_match_eager(tiny_model, 160, lambda runner: compile_blocks(runner.step_fn), padded)
     assert sum(isinstance(m, TransformerBlock) for m in raw_estimator(tiny_model.flow).modules()) > 2
     assert 1 <= compiled_graphs_of(attend_block) <= 2
 
 
-def test_the_worker_with_the_compiled_flow_streams_the_eager_audio(tiny_model, fused):
+def test_the_worker_with_the_compiled_flow_streams_the_eager_audio(tiny_model, fused, compile_threads):
     """The token2wav worker over the --compile-flow model (its thread compiling and running the
     step's blocks, the final chunks through the compiled forward) streams the eager model's audio."""
     from test_token2wav import _run
@@ -209,10 +234,32 @@ def test_the_worker_with_the_compiled_flow_streams_the_eager_audio(tiny_model, f
     want = _run(tiny_model, lambda e: streams(e, SPECS), flow_cache_bytes=POOL)
 
     async def main(engine):
-        return await streams(engine, SPECS), engine.cached, engine.stats()
+        first = await streams(engine, SPECS)  # eager while the compile thread compiles what they meet
+        await engine.compiles_settled()
+        return first, await streams(engine, SPECS), engine.cached, engine.stats()
 
-    got, cached, stats = _run(model, main, flow_cache_bytes=POOL)
-    for g, w in zip(got, want, strict=True):
+    first, got, cached, stats = _run(model, main, flow_cache_bytes=POOL)
+    for f, g, w in zip(first, got, want, strict=True):
+        assert_same_chunks(f, w)
         assert_same_chunks(g, w)
     assert cached.pool.inputs and cached.flow.step_fn.attend_block is not None
-    assert stats.incremental_jobs > 0 and stats.recompute_jobs == len(SPECS)
+    assert deferred_attend_block().ready and raw_estimator(model.flow).forward.ready
+    assert stats.incremental_jobs > 0 and stats.recompute_jobs == 2 * len(SPECS)
+    assert stats.flow_compiles > 0 and not stats.flow_compiling
+    assert set(compile_threads) <= {"flow-compile"}  # not the worker's threads, nor this one
+
+
+def test_the_compile_thread_writes_no_page_a_stream_holds(fused):
+    """The compile thread runs attend_block on copies of a call's arguments, but the page pool is the
+    pool itself: its writes go to the trash page only (compiled_blocks._trash_writes)."""
+    model, _ = fused
+    compiled_blocks._deferred_attend_block.cache_clear()  # a new one: this call's kinds compile now
+    runner = IncrementalFlow(model.flow, pool(model, inputs=True))
+    p = prompt(37, seed=5)
+    tokens = torch.randint(0, 6561, (60,), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        runner([FlowItem(FlowCache(), *p, tokens, False)])
+    kept = runner.pool.kv[:, ROWS * (TRASH + 1) :].clone()  # every block's rows but the trash page's
+    assert kept.abs().sum() > 0  # the call committed pages
+    assert COMPILER.wait(timeout_s=900) and deferred_attend_block().ready
+    assert torch.equal(runner.pool.kv[:, ROWS * (TRASH + 1) :], kept)

@@ -2,11 +2,17 @@
 CPU, float32), one compiled graph serves every Snake, and the option reaches the engine from the
 command line."""
 
+import copy
+
 import pytest
 import torch
 from test_fused_flow import built_copy
 
 from cosyapp.engine.build import compiles_hift
+from cosyapp.engine.token2wav import fused as fused_module
+from cosyapp.engine.token2wav.compiling import COMPILER, epoch
+from cosyapp.engine.token2wav.fused import fuse_hift
+from cosyapp.engine.token2wav.hift_graphs import CAPTURE_AT, HiFTRunner
 from cosyapp.models.hift import Snake, snake
 from cosyapp.options import ServeOptions
 
@@ -29,11 +35,14 @@ def compiled_graphs() -> int:
 
 
 @pytest.mark.parametrize("frames, with_cache", [(40, False), (73, True)])
-def test_the_compiled_snakes_give_the_eager_audio(tiny_model, fused, frames, with_cache):
+def test_the_compiled_snakes_give_the_eager_audio(tiny_model, fused, frames, with_cache, compile_threads):
     g = torch.Generator().manual_seed(frames)
     mel = torch.randn(2, 80, frames, generator=g) * 2 - 5
     cache = torch.randn(2, 1, 3840, generator=g) * 0.1 if with_cache else None
+    vocode(fused.hift, mel, cache)  # eager while the compile thread compiles the kinds it met
+    assert COMPILER.wait(timeout_s=600)
     got_speech, got_source = vocode(fused.hift, mel, cache)
+    assert set(compile_threads) <= {"flow-compile"}  # a copy laid out as the call: no compile here
     want_speech, want_source = vocode(tiny_model.hift, mel, cache)
     assert torch.equal(got_source, want_source)  # the source module has no Snake
     assert got_speech.shape == want_speech.shape
@@ -48,9 +57,35 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
     assert not any("forward" in vars(m) for m in tiny_model.hift.modules() if isinstance(m, Snake))
     for frames in (30, 47):
         vocode(fused.hift, torch.randn(2, 80, frames) - 5)
+    assert COMPILER.wait(timeout_s=600)
     assert compiled_graphs() == 1  # every stage's channels, both lengths
     vocode(fused.hift, torch.randn(1, 80, 30) - 5)
+    assert COMPILER.wait(timeout_s=600)
     assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
+
+
+def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model):
+    """--hift-graphs beside a HiFT compiled in the background: a shape captured before its Snakes were
+    compiled is captured again at its first call after the compiles (CPU: the padded eager graphs)."""
+    hift = copy.deepcopy(tiny_model.hift)
+    runner = HiFTRunner(hift, graphs=True, capture=False)
+    mel = torch.randn(2, 80, 36, generator=torch.Generator().manual_seed(1)) - 5
+    want, _ = vocode(tiny_model.hift, mel)
+
+    def call():
+        return runner(mel, None, [torch.Generator().manual_seed(i) for i in range(2)])[0]
+
+    with torch.inference_mode():
+        first = [call() for _ in range(CAPTURE_AT)]  # the last one captures, the Snakes eager
+        [(key, graph)] = runner._graphs.items()
+        fused_module._deferred_snake.cache_clear()  # a new compiled Snake: its kinds compile now
+        fuse_hift(hift, background=True)
+        first.append(call())  # replays the graph (eagerly here), which meets the Snakes' kinds
+        assert COMPILER.wait(timeout_s=600) and epoch() > graph.epoch
+        again = call()
+    assert runner._graphs[key].epoch == epoch() and runner._graphs[key] is not graph
+    for got in (*first, again):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_default_compiles_hift_on_a_gpu_and_a_choice_wins_anywhere():

@@ -32,6 +32,7 @@ from cosyapp.bench.serving import check_external, own_server
 from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
+from cosyapp.engine.token2wav.compiling import epoch
 from cosyapp.models.checkpoint import load_model, pick_device
 from cosyapp.options import ServeOptions
 
@@ -53,13 +54,17 @@ async def run(args: argparse.Namespace) -> dict:
         check_external(args.url, VOICE_ID)
     # An external server serves with its own engines: start ours only where something uses them.
     local = "pipeline" in args.drivers or args.baselines or bool(http and not args.url)
-    startup = None
+    startup = compile_wait = None
     async with AsyncExitStack() as stack:
         if local:
             started = time.perf_counter()
             await pipeline.start(warm_up=device.type != "cpu")
             startup = time.perf_counter() - started
             stack.push_async_callback(pipeline.shutdown)
+            if options.compile_flow:
+                started = time.perf_counter()
+                await _compiled(pipeline, warm_up=device.type != "cpu")
+                compile_wait = time.perf_counter() - started
         url = args.url
         if http and not url:
             engine = choose_engine(args.engine, device)
@@ -96,6 +101,7 @@ async def run(args: argparse.Namespace) -> dict:
         "voice": VOICE_ID,
         "startup_s": startup,
         "startup_phases_s": pipeline.startup_s if local else None,
+        "compile_wait_s": compile_wait,
         "variants": args.variants,
         "texts": {text.name: text.describe(pipeline.text) for text in texts},
         "levels": levels,
@@ -201,6 +207,21 @@ def _drivers(names: list[str], pipeline: Pipeline, url: str | None) -> list[Driv
     return [made[name]() for name in names]
 
 
+async def _compiled(pipeline: Pipeline, warm_up: bool) -> None:
+    """--compile-flow compiles on a thread of its own while the engine serves eagerly
+    (engine/token2wav/compiling.py): wait until what the warm-up met is compiled and its graphs are
+    captured again, warming up again until that meets nothing new, so the levels measure the
+    compiled flow. The time this takes is the result's ``compile_wait_s``."""
+    while True:
+        await pipeline.token2wav.compiles_settled()
+        before = epoch()
+        if warm_up:
+            await pipeline.warm_up_token2wav()
+        await pipeline.token2wav.compiles_settled()
+        if epoch() == before:
+            return
+
+
 async def _warm_up(
     drivers: list[Driver], text: TextSet, args: argparse.Namespace, local: Pipeline | None
 ) -> None:
@@ -210,6 +231,7 @@ async def _warm_up(
         warm = PipelineDriver(local, bench_voice(local.text))
         await measure(warm, text, True, min(max(args.clients), args.max_batch), None)
         await local.token2wav.graphs_settled()  # captures of buckets this voice met: not in a level
+        await local.token2wav.compiles_settled()  # --compile-flow: what it met compiled, not in a level
     for driver in drivers:
         if driver.name != "pipeline":
             for mode in filter(lambda mode: _measures(driver, mode), args.modes):

@@ -246,6 +246,9 @@ def stage_times(
         "incremental_jobs": t2w1.incremental_jobs - t2w0.incremental_jobs,
         "recompute_jobs": t2w1.recompute_jobs - t2w0.recompute_jobs,
         "flow_cache_fallbacks": t2w1.flow_cache_fallbacks - t2w0.flow_cache_fallbacks,
+        # --compile-flow: compiles that ended inside the level (the compile thread shares the host)
+        "flow_compiles": t2w1.flow_compiles - t2w0.flow_compiles,
+        "compiles_elsewhere": t2w1.compiles_elsewhere - t2w0.compiles_elsewhere,
     }
 
 

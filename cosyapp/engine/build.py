@@ -87,8 +87,9 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
     if compiles_hift(model.device, options):
         from cosyapp.engine.token2wav.fused import fuse_hift
 
-        # Before any HiFT graph is captured: the graphs then replay the compiled kernels.
-        fuse_hift(model.hift, options.cache_dir / "inductor")
+        # On the compile thread, HiFT running eagerly meanwhile; its graphs (--hift-graphs) are
+        # captured again once it is compiled (engine/token2wav/compiling.py).
+        fuse_hift(model.hift, options.cache_dir / "inductor", background=True)
     prepare_flow(model.flow, model.device, options)
     return Pipeline(
         model,
@@ -116,8 +117,9 @@ def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: 
         from cosyapp.engine.token2wav.flow_cache import raw_estimator
         from cosyapp.engine.token2wav.fused import fuse_estimator
 
-        # Before any graph is captured: the graphs then replay the compiled kernels.
-        fuse_estimator(raw_estimator(flow), options.cache_dir / "inductor")
+        # Compiled on a thread of its own while the flow serves eagerly; its CUDA graphs are
+        # captured again once the compiles are done (engine/token2wav/compiling.py).
+        fuse_estimator(raw_estimator(flow), options.cache_dir / "inductor", background=True)
     if options.cuda_graphs and device.type == "cuda":
         from cosyapp.engine.token2wav.graphs import GraphedEstimator
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyapp.engine.token2wav.compiling import Deferred, same_strides
 from cosyapp.engine.token2wav.writes import put_rows
 from cosyapp.models.flow_estimator import TransformerBlock, autocast_dtype
 
@@ -72,11 +73,38 @@ def compiled_attend_block(mode: str | None = None):
     return torch.compile(attend_block, dynamic=True, mode=mode)
 
 
-def compile_blocks(step_fn: "IncrementalEstimator", mode: str | None = None) -> None:
-    """``step_fn`` runs each transformer block through the compiled attend_block from now on."""
+def compile_blocks(
+    step_fn: "IncrementalEstimator", mode: str | None = None, background: bool = False
+) -> None:
+    """``step_fn`` runs each transformer block through the compiled attend_block from now on: compiled
+    on the calling thread, or with ``background`` on the compile thread (compiling.py), its calls
+    running attend_block eagerly until then."""
     if not step_fn.inputs:
         raise ValueError("compiled blocks need a pool of attention inputs")
-    step_fn.attend_block = functools.partial(_run_block, compiled_attend_block(mode))
+    block = deferred_attend_block(mode) if background else compiled_attend_block(mode)
+    step_fn.attend_block = functools.partial(_run_block, block)
+
+
+def deferred_attend_block(mode: str | None = None) -> Deferred:
+    """attend_block compiled on the compile thread, one per torch.compile mode."""
+    return _deferred_attend_block(mode)
+
+
+@functools.cache
+def _deferred_attend_block(mode: str | None) -> Deferred:
+    name = "the incremental flow's transformer block"
+    return Deferred(name, attend_block, compiled_attend_block(mode), _trash_writes)
+
+
+def _trash_writes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """attend_block's arguments for the compile thread: copies, but the page pool itself, written
+    at the trash page only (row 0 of each block, whose slots every call masks), so no stream's pages
+    change."""
+    block, h, q_weight, kv_weight, kv, offset, step, write_rows, read_rows, attn_mask = args
+    copies = (h, offset, step, read_rows, attn_mask)
+    h, offset, step, read_rows, attn_mask = map(same_strides, copies)
+    trash = torch.zeros_like(write_rows)
+    return (block, h, q_weight, kv_weight, kv, offset, step, trash, read_rows, attn_mask), kwargs
 
 
 def _run_block(compiled, step_fn: "IncrementalEstimator", block: TransformerBlock, h: Tensor, io: "_StepIO"):

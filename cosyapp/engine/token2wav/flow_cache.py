@@ -28,16 +28,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cosyapp.engine.token2wav.compiled_blocks import compile_blocks
-from cosyapp.engine.token2wav.fused import is_compiled
+from cosyapp.engine.token2wav.fused import in_background, is_compiled
 from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.incremental import (
     ROWS,
     TAIL,
     CallInputs,
     IncrementalEstimator,
-    IncrementalGraphs,
     run_cfm,
 )
+from cosyapp.engine.token2wav.incremental_graphs import IncrementalGraphs
 from cosyapp.engine.token2wav.pages import TRASH, FlowCache, KVPool
 from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_condition
 from cosyapp.models.flow_encoder import length_mask
@@ -219,7 +219,7 @@ class IncrementalFlow:
         estimator = raw_estimator(flow)
         self.step_fn = IncrementalEstimator(estimator, pool.inputs)
         if pool.inputs and is_compiled(estimator):  # --compile-flow: the step's blocks too
-            compile_blocks(self.step_fn)
+            compile_blocks(self.step_fn, background=in_background(estimator))
         cfg_rate = flow.decoder.inference_cfg_rate
         self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
 

@@ -18,7 +18,7 @@ each and take about half of the GPU's time at batch 64 (docs/model.md §6.6). ``
   would fuse more, but on the same H100 its first graph had not finished compiling after 7
   minutes, and one stream's calls need three (docs/model.md §8.7).
 
-Inductor runs here without CUDA graphs of its own: the graphs of graphs.py and incremental.py
+Inductor runs here without CUDA graphs of its own: the graphs of graphs.py and incremental_graphs.py
 capture the compiled kernels. Results match eager within float rounding.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cosyapp.engine.token2wav.compiling import Deferred
 from cosyapp.models.flow_estimator import CausalBlock1D, CausalConditionalDecoder, TransformerBlock
 from cosyapp.models.hift import HiFTGenerator, Snake, snake
 
@@ -40,34 +41,51 @@ def _compiled(cls: type, name: str, mode: str | None):
 
 
 def fuse_estimator(
-    estimator: CausalConditionalDecoder, cache_dir: Path | None = None, mode: str | None = None
+    estimator: CausalConditionalDecoder,
+    cache_dir: Path | None = None,
+    mode: str | None = None,
+    background: bool = False,
 ) -> None:
     """Run ``estimator``'s forward, and its memory-bound pieces where the incremental flow calls
     them, through compiled versions, in place (see the module docstring).
 
     cache_dir: where inductor keeps compiled kernels, so a restart reuses them; a
     TORCHINDUCTOR_CACHE_DIR set by the user wins. Compiling happens on the first call of each piece
-    and of each attention mode of the forward (the start-up warm-up meets them all). mode:
-    torch.compile's (None: its default); "max-autotune-no-cudagraphs" also times Triton templates for
-    the matrix products, with the pointwise work after them fused in, and picks them where they beat
-    the library's (measured on the whole forward: faster at 23 clips, slower at 64, and 335 s of
-    compiling; docs/benchmarks/README.md).
+    and of each attention mode of the forward (the start-up warm-up meets them all): on the calling
+    thread, or with ``background`` on the compile thread while those calls run eagerly
+    (compiling.py; the engine's way). mode: torch.compile's (None: its default);
+    "max-autotune-no-cudagraphs" also times Triton templates for the matrix products, with the
+    pointwise work after them fused in, and picks them where they beat the library's (measured on
+    the whole forward: faster at 23 clips, slower at 64, and 335 s of compiling;
+    docs/benchmarks/README.md).
     """
     if cache_dir is not None:
         use_cache_dir(cache_dir)
     for module in estimator.modules():
         for cls, name in PIECES:
             if isinstance(module, cls):
+                piece = _deferred(cls, name, mode) if background else _compiled(cls, name, mode)
                 # An instance attribute shadows the class's method for this module only.
-                setattr(module, name, functools.partial(_compiled(cls, name, mode), module))
+                setattr(module, name, functools.partial(piece, module))
     # An instance attribute again: nn.Module's call runs it in place of the class's forward.
-    compiled = torch.compile(type(estimator).forward.__get__(estimator), dynamic=True, mode=mode)
-    estimator.forward = functools.partial(_contiguous_call, compiled)
+    eager = type(estimator).forward.__get__(estimator)
+    compiled = functools.partial(_contiguous_call, torch.compile(eager, dynamic=True, mode=mode))
+    estimator.forward = Deferred("the flow estimator", eager, compiled) if background else compiled
+
+
+@functools.cache
+def _deferred(cls: type, name: str, mode: str | None) -> Deferred:
+    return Deferred(f"{cls.__name__}.{name}", getattr(cls, name), _compiled(cls, name, mode))
 
 
 def is_compiled(estimator: CausalConditionalDecoder) -> bool:
     """Whether fuse_estimator compiled ``estimator`` (its forward is then an instance attribute)."""
     return "forward" in vars(estimator)
+
+
+def in_background(estimator: CausalConditionalDecoder) -> bool:
+    """Whether fuse_estimator compiles ``estimator`` on the compile thread (compiling.py)."""
+    return isinstance(vars(estimator).get("forward"), Deferred)
 
 
 def compile_unmasked(estimator: CausalConditionalDecoder, blank: tuple[torch.Tensor, ...]) -> None:
@@ -85,7 +103,9 @@ def _contiguous_call(compiled, *args, **kwargs) -> torch.Tensor:
     return compiled(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
 
 
-def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | None = None) -> None:
+def fuse_hift(
+    hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | None = None, background: bool = False
+) -> None:
     """Run each of ``hift``'s Snake activations as one compiled kernel, in place.
 
     A Snake is x + sin(alpha x)^2 / alpha: eager, five kernels that each read and write the whole
@@ -93,12 +113,13 @@ def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | No
     with dynamic shapes, one graph serves every Snake of every stage (channels, length and batch
     vary; alpha goes in as a plain tensor, as a parameter's shape would be fixed per graph), and one
     more batch-1 calls; the convolutions stay as they are. Results match eager within float
-    rounding (the compiled sine is not bit for bit the eager one). cache_dir, mode: as
-    ``fuse_estimator``.
+    rounding (the compiled sine is not bit for bit the eager one). cache_dir, mode, background: as
+    ``fuse_estimator`` (the engine compiles in the background: a compile on the HiFT thread would
+    also wait for the flow's, which hold dynamo's one compile lock for minutes).
     """
     if cache_dir is not None:
         use_cache_dir(cache_dir)
-    compiled = _compiled_snake(mode)
+    compiled = _deferred_snake(mode) if background else _compiled_snake(mode)
     for module in hift.modules():
         if isinstance(module, Snake):
             module.forward = functools.partial(_snake_with, compiled, module)
@@ -107,6 +128,11 @@ def fuse_hift(hift: HiFTGenerator, cache_dir: Path | None = None, mode: str | No
 @functools.cache
 def _compiled_snake(mode: str | None):
     return torch.compile(snake, dynamic=True, mode=mode)
+
+
+@functools.cache
+def _deferred_snake(mode: str | None) -> Deferred:
+    return Deferred("HiFT's Snake", snake, _compiled_snake(mode))
 
 
 def _snake_with(compiled, module: Snake, x: torch.Tensor) -> torch.Tensor:

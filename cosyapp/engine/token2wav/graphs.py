@@ -11,6 +11,7 @@ limit, and padding would only add work.
 """
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.fused import compile_unmasked
+from cosyapp.engine.token2wav.compiling import COMPILER, epoch
+from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: pad and run eagerly (CPU, or to check the padding)
     inputs: tuple[Tensor, ...]  # x, mask, mu, t, spks, cond at the bucket's shape
     output: Tensor
+    epoch: int  # the compile thread's when captured (compiling.py)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -93,6 +96,10 @@ class GraphedEstimator(nn.Module):
         self.use_graphs = use_graphs
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
+        self._retired: list = []  # replaced after a compile (compiling.py): never freed mid-replay
+        self._capturing = threading.Lock()  # one capture at a time: the flow's start, the compile thread
+        if in_background(estimator):  # --compile-flow: replay the compiled kernels once compiled
+            COMPILER.on_epoch(self.recapture_stale)
 
     @property
     def out_channels(self) -> int:
@@ -139,12 +146,35 @@ class GraphedEstimator(nn.Module):
                         self._capture(key, like, streaming)
         return self.captured
 
+    def recapture_stale(self, epoch: int) -> int:
+        """Capture again every bucket captured before ``epoch``, whose graph may replay kernels the
+        compile thread has compiled since (compiling.py); the old graph serves until the new one
+        replaces it. Runs on the compile thread: only the flow thread replays, and a capture runs
+        nothing, so the shared memory pool is never in use by two graphs at once. Returns the count."""
+        stale = [(key, c) for key, c in list(self._graphs.items()) if c.epoch < epoch]
+        for key, captured in stale:
+            autocast = key[4]
+            device = captured.inputs[0].device
+            with (
+                torch.inference_mode(),
+                torch.autocast(device.type, dtype=autocast, enabled=autocast is not None),
+            ):
+                self._capture(key, captured.inputs, key[2])
+        if stale:
+            log.info("captured %d flow estimator graphs again with the compiled flow", len(stale))
+        return len(stale)
+
     def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
+        with self._capturing:
+            return self._capture_now(key, like, streaming)
+
+    def _capture_now(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
         rows, frames = key[0], key[1]
         x, mask, mu, t, spks, cond = like
         inputs = _blank_inputs(rows, frames, x.size(1), x.device, x.dtype, mu.size(1), cond.size(1))
+        now = epoch()  # before running anything: a compile ending during the capture makes it stale
         if not (self.use_graphs and x.is_cuda):
-            captured = _Captured(None, inputs, inputs[0])
+            captured = _Captured(None, inputs, inputs[0], now)
         else:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(x.device)
@@ -156,7 +186,9 @@ class GraphedEstimator(nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.estimator(*inputs, streaming)
-            captured = _Captured(graph, inputs, output)
+            captured = _Captured(graph, inputs, output, now)
+        if key in self._graphs:  # captured again after a compile: the flow thread may be replaying it
+            self._retired.append(self._graphs[key])
         self._graphs[key] = captured
         return captured
 

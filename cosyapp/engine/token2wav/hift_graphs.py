@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cosyapp.engine.token2wav.compiling import epoch
 from cosyapp.engine.token2wav.graphs import bucket, capture_graph
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
 
@@ -48,6 +49,7 @@ class _Graph:
     noise: SourceNoise  # at the bucket's batch
     speech: Tensor
     source: Tensor
+    epoch: int  # the compile thread's when captured (compiling.py)
 
 
 class HiFTRunner:
@@ -73,6 +75,7 @@ class HiFTRunner:
         self._eager: set[tuple] = set()  # shapes whose capture failed
         self._met: Counter[tuple] = Counter()  # calls per shape not captured yet
         self._pool = None
+        self._retired: list[_Graph] = []
         self.captures = 0
         self.capture_seconds = 0.0
         self.replays = 0
@@ -82,6 +85,8 @@ class HiFTRunner:
     ) -> tuple[Tensor, Tensor]:
         key = self._key(mel, cache)
         graph = None if key is None else self._graphs.get(key)
+        if graph is not None and graph.epoch < epoch() and key not in self._eager:
+            graph = self._capture(key, mel, cache) or graph  # captured before a compile: again
         if (
             graph is None
             and key is not None
@@ -134,9 +139,10 @@ class HiFTRunner:
             # The warm-up's draws come from a generator of its own: the streams' stay untouched.
             own = torch.Generator(dev).manual_seed(0)
             noise = self.hift.draw_noise(static_mel, [own] * rows)
+            now = epoch()  # before running anything: a compile ending during the capture makes it stale
             if not self.capture:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
-                self._graphs[key] = _Graph(None, static_mel, static_cache, noise, speech, source)
+                self._graphs[key] = _Graph(None, static_mel, static_cache, noise, speech, source, now)
                 return self._graphs[key]
             # cuDNN and cuFFT pick and cache their plans in the runs before the capture
             self._pool = self._pool or torch.cuda.graph_pool_handle()
@@ -151,7 +157,9 @@ class HiFTRunner:
         finally:
             self.capture_seconds += time.perf_counter() - started
         self.captures += 1
-        captured = _Graph(graph, static_mel, static_cache, noise, speech, source)
+        captured = _Graph(graph, static_mel, static_cache, noise, speech, source, now)
+        if key in self._graphs:  # replaced after a compile (compiling.py): never freed mid-replay
+            self._retired.append(self._graphs[key])
         self._graphs[key] = captured
         log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return captured

@@ -1,13 +1,11 @@
 """The CFM over new frames only, against the keys/values and convolution tails kept in a page pool.
 
 ``CallInputs`` holds one call's inputs at fixed shapes (rows, new frames, past pages), so the ten
-Euler steps can be replayed from one CUDA graph per shape bucket (``IncrementalGraphs``); the eager
+Euler steps can be replayed from one CUDA graph per shape bucket (incremental_graphs.py); the eager
 path runs the same code. See flow_cache.py for what is kept and why it is exact.
 """
 
 import logging
-import threading
-import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -27,7 +25,7 @@ from cosyapp.models.flow_estimator import (
 )
 
 if TYPE_CHECKING:  # pages.py imports this module
-    from cosyapp.engine.token2wav.pages import KVPool
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +93,7 @@ class _StepIO:
     def _at_step(self) -> int | Tensor:
         """The step to index the caches' step axis with: the int, or compiled its (1,) tensor, which
         keeps that axis (a 0-d tensor index would be read back as an int)."""
-        return self.step_t if torch.compiler.is_compiling() else self.step
+        return self.step_t if torch.compiler.is_dynamo_compiling() else self.step
 
     def conv_input(self, x: Tensor) -> Tensor:
         """x (ROWS*B, C, W) -> (ROWS*B, C, TAIL + W) with the stream's earlier inputs in front; keeps
@@ -274,125 +272,3 @@ def run_cfm(
         x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
         t = t + dt
     return x, new_tails
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    inputs: CallInputs
-    x: Tensor
-    tails: Tensor
-
-
-class IncrementalGraphs:
-    """``run_cfm`` replayed from one CUDA graph per (rows, new frames, past pages) bucket.
-
-    Eager, a call is launch-bound at every batch size (docs/benchmarks/README.md); replayed, the
-    kernels run back to back. The Pipeline's warm-up meets the common buckets
-    (Pipeline.warm_up_token2wav). A capture runs the call eagerly three times (one to two seconds),
-    so with ``defer`` a bucket's first call runs eagerly once and keeps a copy of its inputs, and a
-    thread of its own captures it (``capture_missed``, cached.py) while the flow thread serves on;
-    calls that come before the capture has ended run eagerly too. Without ``defer`` the first call
-    captures and then replays, holding the flow thread meanwhile.
-    """
-
-    def __init__(self, step_fn: IncrementalEstimator, pool: "KVPool", cfg_rate: float, defer: bool = True):
-        self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
-        self.defer = defer
-        self._graphs: dict[tuple, _Graph] = {}
-        # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
-        self._missed: dict[tuple, tuple[CallInputs, torch.cuda.Event]] = {}
-        self._lock = threading.Lock()  # the flow thread adds to _missed, the capture thread takes
-        self._eager: set[tuple] = set()  # buckets whose capture failed
-        self._pool = None
-        self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
-        self.captures = 0  # deferred captures done (or failed)
-        self.capture_seconds = 0.0
-
-    @property
-    def missed(self) -> int:
-        """Buckets waiting for ``capture_missed``."""
-        return len(self._missed)
-
-    def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
-        if not inputs.x.is_cuda:
-            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
-        key = (
-            *inputs.attn_mask.shape,
-            inputs.attn_mask.dtype,
-            inputs.x.dtype,
-            inputs.tails.dtype,
-            autocast_dtype(inputs.x.device),
-        )
-        graph = self._graphs.get(key)
-        if graph is None and (self.defer or key in self._eager):
-            with self._lock:
-                if key not in self._missed and key not in self._eager:
-                    log.info("incremental flow bucket %s met uncaptured: eager until captured", key[:4])
-                    kept = inputs.empty_like()
-                    kept.copy_(inputs)
-                    copied = torch.cuda.Event()
-                    copied.record()
-                    self._missed[key] = (kept, copied)
-            self.eager_calls += 1
-            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
-        graph = graph or self._capture(key, inputs)
-        graph.inputs.copy_(inputs)
-        graph.graph.replay()
-        return graph.x.clone(), graph.tails.clone()
-
-    def free(self) -> None:
-        """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
-        with self._lock:
-            self._graphs.clear()
-            self._missed.clear()
-
-    def capture_missed(self) -> bool:
-        """Capture one bucket a call met since (under the autocast it ran with); False when none was
-        waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the
-        calls. The bucket counts as missed until its capture has ended."""
-        with self._lock:
-            if not self._missed:
-                return False
-            key, (like, copied) = next(iter(self._missed.items()))
-        torch.cuda.current_stream(like.x.device).wait_event(copied)
-        dtype = key[-1]
-        started = time.perf_counter()
-        try:
-            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                self._capture(key, like)
-        except Exception:  # out of memory, or any other failure: its calls stay eager, the worker serves on
-            log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
-            with self._lock:
-                self._graphs.pop(key, None)
-                self._eager.add(key)
-        finally:
-            with self._lock:
-                del self._missed[key]
-            self.captures += 1
-            self.capture_seconds += time.perf_counter() - started
-        if key in self._graphs:
-            log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
-        return True
-
-    def _capture(self, key: tuple, like: CallInputs) -> _Graph:
-        static = like.empty_like()
-        static.copy_(like)
-        dev = like.x.device
-        # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
-        static.write_rows.zero_()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
-                run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
-        # The static inputs are another thread's to write once the graph is published.
-        torch.cuda.current_stream(dev).synchronize()
-        captured = _Graph(graph, static, x, tails)
-        self._graphs[key] = captured
-        return captured

@@ -33,3 +33,10 @@ class Token2WavStats:
     flow_cache_pages: int = 0
     flow_cache_free_pages: int = 0
     flow_cache_least_free: int = 0
+    # --compile-flow's compile thread (compiling.py, one per process): kinds of call compiled (failures
+    # included) and their time; whether compiles or the recaptures after them are still to come; the
+    # compiles dynamo started on other threads meanwhile (a serving thread waiting for one: 0 is right).
+    flow_compiles: int = 0
+    flow_compile_seconds: float = 0.0
+    flow_compiling: bool = False
+    compiles_elsewhere: int = 0

@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
+from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.hift_graphs import HiFTRunner
 from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
@@ -144,19 +145,24 @@ class Token2Wav:
 
     @property
     def pending_captures(self) -> int:
-        """Incremental-flow graph buckets met and not yet captured (incremental.py)."""
+        """Incremental-flow graph buckets met and not yet captured (incremental_graphs.py)."""
         return self.cached.missed_graphs if self.cached is not None else 0
 
     async def graphs_settled(self) -> None:
-        """Return once every incremental-flow graph bucket met so far is captured (warm-ups wait
-        here, so the first requests share the GPU with no capture)."""
+        """Return once every incremental-flow graph bucket met so far is captured (warm-ups wait)."""
         while self.pending_captures:
             await asyncio.sleep(0.01)
+
+    async def compiles_settled(self) -> None:
+        """Return once --compile-flow's compiles of the calls met so far and the captures after them are
+        done (compiling.py): benchmarks of the compiled flow wait here, serving does not."""
+        while not COMPILER.settled or self.pending_captures:
+            await asyncio.sleep(0.05)
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
         cached = self.cached.counters() if self.cached is not None else {}
-        return replace(self._stats, queue_depth=len(self._queue), **cached)
+        return replace(self._stats, queue_depth=len(self._queue), **cached, **COMPILER.counters())
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None

@@ -1,0 +1,268 @@
+"""torch.compile off the serving threads: ``--compile-flow``'s graphs compiled on a thread of their own.
+
+Compiled from an empty cache, the estimator's forward takes about 140 s per attention mode on an H100
+(docs/benchmarks/README.md, "Compiling the flow"), and a first call compiles on the thread that
+makes it: the flow thread, or the start before it. Here each compiled function is a ``Deferred``: a
+call whose kind (its arguments' dtypes and ranks, the sizes dynamo specialises, the flags, the
+autocast and inference-mode state) has no compiled graph yet runs the eager function, as
+``--compile-flow`` off would, and the first such call hands a copy of its arguments to the compile
+thread, which calls the compiled function on them. Once that has returned, calls of that kind run
+compiled. So a server starts and serves at once, eagerly, and its flow turns compiled within
+minutes; from inductor's cache (kept under the serving cache folder) within seconds.
+
+The CUDA graphs of the flow (graphs.py, incremental_graphs.py) replay what their capture ran. Each
+captured graph keeps the ``epoch`` it was captured in; when the compile thread's queue runs dry after
+compiling, the epoch moves on and it calls each registered ``recapture`` hook, which captures the
+older graphs again (in place of the old, which serve until then), so they replay compiled kernels.
+
+Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
+the compile thread compiles it, and the compiled graph then serves every copy of the module
+(tests/test_compiling.py).
+"""
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo.callback
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+THREAD = "flow-compile"
+
+
+def kind(args: tuple, kwargs: dict) -> tuple:
+    """What tells one compiled graph of a ``dynamic=True`` compile from another, as far as the call
+    shows it: each tensor's dtype, device, rank, sizes of 0 and 1 (specialised), contiguity, order
+    of strides, whether it is an inference tensor and requires grad; each module's type; the plain
+    values; the autocast and grad state of the tensors' device."""
+
+    def describe(a):
+        if isinstance(a, Tensor):
+            order = sorted(range(a.dim()), key=lambda d: -a.stride(d))  # the layout, up to gaps
+            sizes = tuple(min(s, 2) for s in a.shape)
+            layout = (a.is_contiguous(), tuple(order), a.is_inference(), a.requires_grad)
+            return ("tensor", a.dtype, a.device.type, sizes, *layout)
+        if isinstance(a, nn.Module):
+            return ("module", type(a))
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        return type(a)
+
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    device = tensors[0].device.type if tensors else "cpu"
+    autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    state = (device, *autocast, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+    return (*map(describe, args), *sorted((k, describe(v)) for k, v in kwargs.items()), state)
+
+
+def clone_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with every tensor copied, strides and all (same_strides); modules and values as
+    they are."""
+
+    def copy(a):
+        return same_strides(a) if isinstance(a, Tensor) else a
+
+    return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def same_strides(t: Tensor) -> Tensor:
+    """A copy of ``t`` with its strides, gaps and broadcast (stride 0) axes included, an inference
+    tensor where ``t`` is one: compiled on a copy otherwise, dynamo would compile a graph whose
+    guards the serving calls then fail (``clone`` makes a slice with gaps contiguous)."""
+    broadcast = [d for d in range(t.dim()) if t.stride(d) == 0 and t.size(d) > 1]
+    if broadcast:
+        base = t[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(t.dim()))]
+        return same_strides(base).expand(t.shape)
+    # An inference tensor or not, as ``t`` (dynamo's guards tell them apart).
+    with torch.inference_mode(t.is_inference()):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+class Deferred:
+    """``compiled`` where a call of the same kind has been compiled on the compile thread, else
+    ``eager``, the first call of each kind handing ``copy_args(args, kwargs)`` to that thread (not
+    while a CUDA graph is being captured: the copies would only be recorded). ``copy_args`` must give
+    arguments whose compiled call changes nothing a serving call reads (clone_args, or see
+    compiled_blocks.py for a call that writes the page pool)."""
+
+    def __init__(self, name: str, eager: Callable, compiled: Callable, copy_args=clone_args):
+        self.name, self.eager, self.compiled, self.copy_args = name, eager, compiled, copy_args
+        self.ready: set[tuple] = set()
+        self.pending: set[tuple] = set()
+        self.failed: set[tuple] = set()
+        _ALL.add(self)
+
+    def __call__(self, *args, **kwargs):
+        # Traced inside another compiled function: inline the eager one. (is_compiling would not do:
+        # it also answers True on every thread while any thread compiles.)
+        if torch.compiler.is_dynamo_compiling():
+            return self.eager(*args, **kwargs)
+        key = kind(args, kwargs)
+        if key in self.ready:
+            return self.compiled(*args, **kwargs)
+        if key not in self.pending and key not in self.failed and not _capturing():
+            self.pending.add(key)
+            COMPILER.submit(_Request(self, key, *self.copy_args(args, kwargs)))
+        return self.eager(*args, **kwargs)
+
+
+_ALL: "weakref.WeakSet[Deferred]" = weakref.WeakSet()
+
+
+def reset() -> None:
+    """torch._dynamo.reset(), and every Deferred forgets what it had compiled, so its next call of each
+    kind goes to the compile thread again rather than compiling where it is made. For tests, which
+    count graphs from none."""
+    torch._dynamo.reset()
+    for fn in list(_ALL):
+        fn.ready.clear()
+        fn.failed.clear()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class _Request:
+    fn: Deferred
+    key: tuple
+    args: tuple
+    kwargs: dict
+    autocast: tuple = field(init=False)
+    modes: tuple = field(init=False)
+    copied: object = field(init=False)  # a CUDA event the copies end at, or None
+
+    def __post_init__(self):
+        device = self.key[-1][0]
+        self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self.copied = None
+        if device == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
+class _CompileThread:
+    """The process's compile thread (started by the first request), its epoch and recapture hooks."""
+
+    def __init__(self):
+        self._queue: queue.Queue[_Request] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._outstanding = 0  # requests submitted and not yet done, their recaptures included
+        self._hooks: list[weakref.WeakMethod] = []
+        self.epoch = 0
+        self.compiled = 0  # kinds compiled, failures included
+        self.elsewhere = 0  # compiles dynamo started on other threads since this thread started
+        self.seconds = 0.0
+
+    def submit(self, request: _Request) -> None:
+        with self._lock:
+            self._outstanding += 1
+            if self._thread is None:
+                torch._dynamo.callback.on_compile_start(self._note_compile)
+                self._thread = threading.Thread(target=self._run, name=THREAD, daemon=True)
+                self._thread.start()
+        self._queue.put(request)
+
+    def _note_compile(self, _) -> None:
+        """Dynamo starts a compile: on another thread, a call's kind missed a guard of its graph
+        (a serving thread then waits for the compile), or something else compiles there."""
+        if threading.current_thread().name != THREAD:
+            self.elsewhere += 1
+            log.warning("dynamo compiles on %s, not on the compile thread", threading.current_thread().name)
+
+    def on_epoch(self, hook: Callable[[int], None]) -> None:
+        """Call the bound method ``hook(epoch)`` on the compile thread each time the epoch moves on,
+        for as long as its object lives."""
+        with self._lock:
+            self._hooks = [h for h in self._hooks if h() is not None] + [weakref.WeakMethod(hook)]
+
+    @property
+    def settled(self) -> bool:
+        """No compile waiting or running, and the graphs recaptured after the last one."""
+        return self._outstanding == 0
+
+    def counters(self) -> dict:
+        """As Token2WavStats fields."""
+        return {
+            "flow_compiles": self.compiled,
+            "flow_compile_seconds": self.seconds,
+            "flow_compiling": not self.settled,
+        }
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until settled (or ``timeout_s`` passes); returns whether it settled."""
+        until = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.settled:
+            if until is not None and time.monotonic() > until:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _run(self) -> None:
+        done = 0
+        while True:
+            request = self._queue.get()
+            self._compile(request)
+            done += 1
+            if self._queue.empty():
+                self.epoch += 1
+                self._recapture()
+                with self._lock:
+                    self._outstanding -= done
+                done = 0
+
+    def _compile(self, request: _Request) -> None:
+        fn, started = request.fn, time.perf_counter()
+        device, enabled, dtype = request.autocast
+        inference, grad = request.modes
+        try:
+            with _own_stream(device), torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                if request.copied is not None:
+                    torch.cuda.current_stream().wait_event(request.copied)
+                with torch.autocast(device, dtype=dtype, enabled=enabled):
+                    fn.compiled(*request.args, **request.kwargs)
+                if device == "cuda":
+                    torch.cuda.current_stream().synchronize()
+            fn.ready.add(request.key)
+            log.info("compiled %s in %.1f s (on the compile thread)", fn.name, time.perf_counter() - started)
+        except Exception:  # that kind runs eagerly from now on; serving goes on
+            fn.failed.add(request.key)
+            log.exception("compiling %s failed; its calls of this kind stay eager", fn.name)
+        finally:
+            fn.pending.discard(request.key)
+            self.compiled += 1
+            self.seconds += time.perf_counter() - started
+
+    def _recapture(self) -> None:
+        with self._lock:
+            hooks = [h() for h in self._hooks]
+        for hook in hooks:
+            if hook is None:
+                continue
+            try:
+                hook(self.epoch)
+            except Exception:  # the older graphs serve on
+                log.exception("recapturing graphs after a compile failed")
+
+
+def _own_stream(device: str):
+    """A CUDA stream of the compile thread's own on a GPU, so its calls do not wait behind serving."""
+    return torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext()
+
+
+COMPILER = _CompileThread()
+
+
+def epoch() -> int:
+    """The compile thread's epoch: a graph captured in an earlier one may replay eager kernels."""
+    return COMPILER.epoch

@@ -1,0 +1,158 @@
+"""The incremental flow's calls replayed from CUDA graphs, one per shape bucket (``IncrementalGraphs``),
+captured on a thread of their own (cached.py) while the calls of a bucket not captured yet run
+eagerly; see incremental.py for the call itself."""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
+from cosyapp.models.flow_estimator import autocast_dtype
+
+if TYPE_CHECKING:
+    from cosyapp.engine.token2wav.pages import KVPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: CallInputs
+    x: Tensor
+    tails: Tensor
+    epoch: int  # the compile thread's when captured (compiling.py)
+
+
+class IncrementalGraphs:
+    """``run_cfm`` replayed from one CUDA graph per (rows, new frames, past pages) bucket.
+
+    Eager, a call is launch-bound at every batch size (docs/benchmarks/README.md); replayed, the
+    kernels run back to back. The Pipeline's warm-up meets the common buckets
+    (Pipeline.warm_up_token2wav). A capture runs the call eagerly three times (one to two seconds),
+    so with ``defer`` a bucket's first call runs eagerly once and keeps a copy of its inputs, and a
+    thread of its own captures it (``capture_missed``, cached.py) while the flow thread serves on;
+    calls that come before the capture has ended run eagerly too. Without ``defer`` the first call
+    captures and then replays, holding the flow thread meanwhile.
+    """
+
+    def __init__(self, step_fn: IncrementalEstimator, pool: "KVPool", cfg_rate: float, defer: bool = True):
+        self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
+        self.defer = defer
+        self._graphs: dict[tuple, _Graph] = {}
+        # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
+        self._missed: dict[tuple, tuple[CallInputs, torch.cuda.Event]] = {}
+        self._lock = threading.Lock()  # the flow thread adds to _missed, the capture thread takes
+        self._eager: set[tuple] = set()  # buckets whose capture failed
+        self._pool = None
+        self._retired: list = []  # replaced after a compile (compiling.py): never freed mid-replay
+        self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
+        self.captures = 0  # deferred captures done (or failed)
+        self.capture_seconds = 0.0
+
+    @property
+    def missed(self) -> int:
+        """Buckets waiting for ``capture_missed``."""
+        return len(self._missed)
+
+    def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
+        if not inputs.x.is_cuda:
+            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
+        key = (
+            *inputs.attn_mask.shape,
+            inputs.attn_mask.dtype,
+            inputs.x.dtype,
+            inputs.tails.dtype,
+            autocast_dtype(inputs.x.device),
+        )
+        graph = self._graphs.get(key)
+        if graph is None and (self.defer or key in self._eager):
+            self._miss(key, inputs)
+            self.eager_calls += 1
+            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
+        graph = graph or self._capture(key, inputs)
+        if graph.epoch < epoch():  # captured before a compile (compiling.py): capture it again
+            self._miss(key, inputs)
+        graph.inputs.copy_(inputs)
+        graph.graph.replay()
+        return graph.x.clone(), graph.tails.clone()
+
+    def _miss(self, key: tuple, inputs: CallInputs) -> None:
+        """Keep a copy of ``inputs`` for the capture thread to capture ``key`` with, unless it has one."""
+        with self._lock:
+            if key not in self._missed and key not in self._eager:
+                log.info(
+                    "incremental flow bucket %s to capture: its calls replay or run eagerly meanwhile",
+                    key[:4],
+                )
+                kept = inputs.empty_like()
+                kept.copy_(inputs)
+                copied = torch.cuda.Event()
+                copied.record()
+                self._missed[key] = (kept, copied)
+
+    def free(self) -> None:
+        """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
+        with self._lock:
+            self._graphs.clear()
+            self._retired.clear()
+            self._missed.clear()
+
+    def capture_missed(self) -> bool:
+        """Capture one bucket a call met since (under the autocast it ran with); False when none was
+        waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the
+        calls. The bucket counts as missed until its capture has ended."""
+        with self._lock:
+            if not self._missed:
+                return False
+            key, (like, copied) = next(iter(self._missed.items()))
+        torch.cuda.current_stream(like.x.device).wait_event(copied)
+        dtype = key[-1]
+        started = time.perf_counter()
+        try:
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                self._capture(key, like)
+        except Exception:  # out of memory, or any other failure: its calls stay eager, the worker serves on
+            log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
+            with self._lock:
+                self._graphs.pop(key, None)
+                self._eager.add(key)
+        finally:
+            with self._lock:
+                del self._missed[key]
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - started
+        if key in self._graphs:
+            log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
+        return True
+
+    def _capture(self, key: tuple, like: CallInputs) -> _Graph:
+        static = like.empty_like()
+        static.copy_(like)
+        dev = like.x.device
+        # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
+        static.write_rows.zero_()
+        now = epoch()  # before running anything: a compile ending during the capture makes it stale
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
+                run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
+        # The static inputs are another thread's to write once the graph is published.
+        torch.cuda.current_stream(dev).synchronize()
+        captured = _Graph(graph, static, x, tails, now)
+        if key in self._graphs:  # captured again after a compile: the flow thread may be replaying it
+            self._retired.append(self._graphs[key])
+        self._graphs[key] = captured
+        return captured

@@ -1,0 +1,134 @@
+"""compiling.py: compiled functions that never compile on their caller's thread. A call of a kind
+not compiled yet runs eagerly and hands a copy of its arguments to the compile thread; once that
+has compiled it, calls of that kind run compiled; a compile that fails leaves its kind eager; the
+graphs captured before a compile are captured again after it (CPU: the padded eager buckets)."""
+
+import threading
+
+import torch
+
+from cosyapp.engine.token2wav import compiling
+from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, epoch, kind, same_strides
+from cosyapp.engine.token2wav.fused import fuse_estimator
+from cosyapp.engine.token2wav.graphs import GraphedEstimator
+
+
+def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for _ in range(4):
+        x = torch.nn.functional.gelu(x @ w) + x
+    return x
+
+
+class Recorder:
+    """A torch.compile backend that notes the thread each graph is compiled on and runs it as traced."""
+
+    def __init__(self, fail: bool = False):
+        self.threads: list[str] = []
+        self.fail = fail
+
+    def __call__(self, graph_module, example_inputs):
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("this backend cannot compile")
+        return graph_module.forward
+
+
+def deferred(backend) -> Deferred:
+    return Deferred("mlp", mlp, torch.compile(mlp, backend=backend, dynamic=True))
+
+
+def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind():
+    compiling.reset()
+    backend = Recorder()
+    fn = deferred(backend)
+    x, w = torch.randn(6, 16), torch.randn(16, 16) / 4
+    key = kind((x, w), {})
+    torch.testing.assert_close(fn(x, w), mlp(x, w), rtol=0, atol=0)  # eager, whatever the thread does
+    assert COMPILER.wait(timeout_s=120)
+    assert key in fn.ready and not fn.pending
+    assert backend.threads == ["flow-compile"]  # never the caller's thread
+    # Now compiled: other sizes of the same kind too (dynamic), and no compile on this thread.
+    for rows in (6, 9):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(fn(x, w), mlp(x, w))
+    assert backend.threads == ["flow-compile"]
+    # Another kind (a dtype) is a compile of its own, on the compile thread again.
+    torch.testing.assert_close(fn(x.double(), w.double()), mlp(x.double(), w.double()))
+    assert COMPILER.wait(timeout_s=120)
+    assert len(fn.ready) == 2 and set(backend.threads) == {"flow-compile"}
+
+
+def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on():
+    compiling.reset()
+    failing, working = deferred(Recorder(fail=True)), deferred(Recorder())
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    want = mlp(x, w)
+    torch.testing.assert_close(failing(x, w), want, rtol=0, atol=0)
+    assert COMPILER.wait(timeout_s=120)
+    assert failing.failed and not failing.ready
+    for _ in range(2):  # not submitted again
+        torch.testing.assert_close(failing(x, w), want, rtol=0, atol=0)
+    assert COMPILER.settled and not failing.pending
+    working(x, w)
+    assert COMPILER.wait(timeout_s=120) and working.ready
+
+
+def test_the_kind_tells_apart_what_a_dynamic_compile_specialises():
+    x = torch.randn(4, 8)
+    assert kind((x,), {}) == kind((torch.randn(7, 8),), {})  # sizes past 1: one dynamic graph
+    assert kind((x,), {}) != kind((torch.randn(1, 8),), {})  # size 1 is specialised
+    assert kind((x,), {}) != kind((x.t(),), {})  # strides
+    assert kind((x,), {"streaming": True}) != kind((x,), {"streaming": False})
+    plain = kind((x,), {})
+    with torch.inference_mode():
+        assert kind((x,), {}) != plain
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kind((x,), {}) != plain
+
+
+def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model):
+    """A GraphedEstimator over an estimator compiled in the background: the buckets captured at the
+    start (here padded eager buckets, as on a CPU) are captured again once the compile thread has
+    compiled the calls met, and then replay what they did before."""
+    import copy
+
+    compiling.reset()
+    estimator = copy.deepcopy(tiny_model.flow.decoder.estimator)
+    fuse_estimator(estimator, background=True)
+    graphed = GraphedEstimator(estimator, row_buckets=(2, 4), frame_buckets=(128,), use_graphs=False)
+    with torch.inference_mode():
+        graphed.capture_all(torch.device("cpu"), torch.float32)
+        before = {key: captured.epoch for key, captured in graphed._graphs.items()}
+        assert len(before) == 4  # rows 2 and 4, both attention modes
+        g = torch.Generator().manual_seed(0)
+        args = [torch.randn(3, c, 100, generator=g) for c in (80, 80, 80)]
+        x, mu, cond = args
+        mask, t, spks = torch.ones(3, 1, 100), torch.rand(3, generator=g), torch.randn(3, 80, generator=g)
+        want = {s: estimator.forward.eager(x, mask, mu, t, spks, cond, s) for s in (False, True)}
+        first = {s: graphed(x, mask, mu, t, spks, cond, s) for s in (False, True)}  # eager: kinds met
+        assert COMPILER.wait(timeout_s=600)
+        assert epoch() > max(before.values())
+        assert all(graphed._graphs[key].epoch > e for key, e in before.items())
+        assert estimator.forward.ready  # the calls' kinds now run compiled
+        for streaming in (False, True):
+            torch.testing.assert_close(first[streaming], want[streaming], rtol=1e-4, atol=1e-5)
+            again = graphed(x, mask, mu, t, spks, cond, streaming)
+            torch.testing.assert_close(again, want[streaming], rtol=1e-4, atol=1e-5)
+
+
+def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again():
+    """A slice with gaps and a broadcast axis: the copies keep their strides (a clone would not), so
+    the graph compiled on them is the one later calls of that kind pass the guards of."""
+    compiling.reset()
+    backend = Recorder()
+    fn = deferred(backend)
+    w = torch.randn(16, 16) / 4
+    for t in (torch.randn(6, 32)[:, ::2], torch.randn(1, 16).expand(5, 16), torch.randn(16, 6).t()):
+        copy = same_strides(t)
+        assert torch.equal(copy, t) and copy.stride() == t.stride()
+    gapped = torch.randn(6, 32)[:, ::2]
+    fn(gapped, w)
+    assert COMPILER.wait(timeout_s=120)
+    again = torch.randn(9, 32)[:, ::2]
+    torch.testing.assert_close(fn(again, w), mlp(again, w))
+    assert backend.threads == ["flow-compile"]  # one graph, compiled there; none on this thread
