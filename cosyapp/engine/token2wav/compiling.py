@@ -197,6 +197,7 @@ class _CompileThread:
             "flow_compiles": self.compiled,
             "flow_compile_seconds": self.seconds,
             "flow_compiling": not self.settled,
+            "compiles_elsewhere": self.elsewhere,
         }
 
     def wait(self, timeout_s: float | None = None) -> bool:

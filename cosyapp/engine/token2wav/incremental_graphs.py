@@ -118,10 +118,10 @@ class IncrementalGraphs:
         try:
             with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
                 self._capture(key, like)
-        except Exception:  # out of memory, or any other failure: its calls stay eager, the worker serves on
-            log.exception("capturing the incremental flow's graph for %s failed; it runs eagerly", key[:4])
+        except Exception:  # out of memory, or any other failure: the worker serves on
+            # Its calls stay eager, or replay the graph captured before a compile (not again).
+            log.exception("capturing the incremental flow's graph for %s failed; no more tries", key[:4])
             with self._lock:
-                self._graphs.pop(key, None)
                 self._eager.add(key)
         finally:
             with self._lock:
