@@ -78,6 +78,7 @@ def test_the_kind_tells_apart_what_a_dynamic_compile_specialises():
     assert kind((x,), {}) == kind((torch.randn(7, 8),), {})  # sizes past 1: one dynamic graph
     assert kind((x,), {}) != kind((torch.randn(1, 8),), {})  # size 1 is specialised
     assert kind((x,), {}) != kind((x.t(),), {})  # strides
+    assert kind((x, torch.randn(5)), {}) != kind((x, torch.randn(4)), {})  # sizes equal or not (duck sizing)
     assert kind((x,), {"streaming": True}) != kind((x,), {"streaming": False})
     plain = kind((x,), {})
     with torch.inference_mode():

@@ -93,7 +93,9 @@ def once_compiled(call):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
-def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fused, padded, inputs):
+def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(
+    tiny_model, fused, padded, inputs, compile_threads
+):
     """padded: the calls padded to the CUDA graphs' buckets, as served on a GPU. inputs: a pool of
     attention inputs, whose step runs its transformer blocks compiled (compiled_blocks.py)."""
     model, _ = fused
@@ -104,6 +106,8 @@ def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(tiny_model, fus
     got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)  # eager
     assert COMPILER.wait(timeout_s=900)
     got = stream_frames(model.flow, pool(model, inputs), p, tokens, calls, padded=padded)  # compiled
+    # The first call has no past pages, the others have: kinds of their own, both compiled there.
+    assert set(compile_threads) <= {"flow-compile"}
     want = stream_frames(tiny_model.flow, pool(tiny_model, inputs), p, tokens, calls, padded=padded)
     assert len(got) == len(calls) > 3
     for (got_start, got_mel), (want_start, want_mel) in zip(got, want, strict=True):

@@ -40,8 +40,8 @@ THREAD = "flow-compile"
 def kind(args: tuple, kwargs: dict) -> tuple:
     """What tells one compiled graph of a ``dynamic=True`` compile from another, as far as the call
     shows it: each tensor's dtype, device, rank, sizes of 0 and 1 (specialised), contiguity, order
-    of strides, whether it is an inference tensor and requires grad; each module's type; the plain
-    values; the autocast and grad state of the tensors' device."""
+    of strides, whether it is an inference tensor and requires grad; which sizes equal which; each
+    module's type; the plain values; the autocast and grad state of the tensors' device."""
 
     def describe(a):
         if isinstance(a, Tensor):
@@ -57,9 +57,15 @@ def kind(args: tuple, kwargs: dict) -> tuple:
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     device = tensors[0].device.type if tensors else "cpu"
+    # Dynamo gives sizes that are equal one symbol and guards on that (duck sizing): which sizes past
+    # 1 equal an earlier one is part of the kind (the incremental step's reads and writes have equal
+    # lengths when a stream has no past pages yet).
+    first: dict[int, int] = {}
+    sizes = [s for t in tensors for s in t.shape]
+    equal = tuple(first.setdefault(s, i) if s > 1 else -1 for i, s in enumerate(sizes))
     autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
     state = (device, *autocast, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-    return (*map(describe, args), *sorted((k, describe(v)) for k, v in kwargs.items()), state)
+    return (*map(describe, args), *sorted((k, describe(v)) for k, v in kwargs.items()), equal, state)
 
 
 def clone_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
