@@ -133,3 +133,17 @@ def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_aga
     again = torch.randn(9, 32)[:, ::2]
     torch.testing.assert_close(fn(again, w), mlp(again, w))
     assert backend.threads == ["flow-compile"]  # one graph, compiled there; none on this thread
+
+
+def test_a_call_whose_copy_fails_still_runs_and_its_kind_stays_eager():
+    """copy_args raising (out of memory on a GPU, say) fails neither the call nor a later one."""
+
+    def no_copy(args, kwargs):
+        raise RuntimeError("no memory for the copy")
+
+    backend = Recorder()
+    fn = Deferred("mlp", mlp, torch.compile(mlp, backend=backend, dynamic=True), no_copy)
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    for _ in range(2):
+        torch.testing.assert_close(fn(x, w), mlp(x, w), rtol=0, atol=0)
+    assert fn.failed and not fn.pending and not fn.ready and backend.threads == []

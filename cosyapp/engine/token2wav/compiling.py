@@ -114,8 +114,14 @@ class Deferred:
         if key in self.ready:
             return self.compiled(*args, **kwargs)
         if key not in self.pending and key not in self.failed and not _capturing():
-            self.pending.add(key)
-            COMPILER.submit(_Request(self, key, *self.copy_args(args, kwargs)))
+            try:
+                request = _Request(self, key, *self.copy_args(args, kwargs))
+            except Exception:  # out of memory for the copy, say: this kind stays eager, the call goes on
+                self.failed.add(key)
+                log.exception("copying a call of %s for the compile thread failed; it stays eager", self.name)
+            else:
+                self.pending.add(key)
+                COMPILER.submit(request)
         return self.eager(*args, **kwargs)
 
 
