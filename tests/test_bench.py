@@ -320,13 +320,33 @@ def test_options_keep_the_earlier_flags_and_add_first_hop_and_eager_flow():
 
 
 @pytest.mark.parametrize("field", ["compile_flow", "compile_hift"])
-def test_compiling_reaches_the_serve_options_and_is_no_variant_field(capsys, field):
+def test_compiling_reaches_the_serve_options(field):
     flag = "--" + field.replace("_", "-")
     assert getattr(parse_args([flag]).serve, field)
     assert not getattr(parse_args([]).serve, field)  # compile_hift: None, on a GPU only
-    with pytest.raises(SystemExit):  # it changes the model's flow or HiFT, not the swapped worker
-        parse_args(["--variant", f"fused:{field}=true"])
-    assert f"'{field}' is not one of" in capsys.readouterr().err
+
+
+def test_compile_hift_is_no_variant_field(capsys):
+    with pytest.raises(SystemExit):  # it changes the model's HiFT, not the swapped worker
+        parse_args(["--variant", "fused:compile_hift=true"])
+    assert "'compile_hift' is not one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # compiling is one way: a later variant would measure the compiled flow it did not ask for
+        (["--variant", "c:compile_flow=true", "--variant", "h:first_hop=15"], "the last variant only"),
+        (["--compile-flow", "--variant", "c:compile_flow=true"], "no --compile-flow"),
+        (["--variant", "c:compile_flow=false"], "no --compile-flow"),
+    ],
+)
+def test_a_compile_flow_variant_compiles_an_eager_flow_last(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+    args = parse_args(["--variant", "h:first_hop=15", "--variant", "c:compile_flow=true"])
+    assert args.variants == {"h": {"first_hop": 15}, "c": {"compile_flow": True}}
 
 
 def test_the_in_process_benchmark_imports_nothing_the_gpu_machine_lacks():
@@ -371,3 +391,24 @@ def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):
     # Each level was also kept as a JSON line the moment it was measured, in the same order.
     kept = [json.loads(line) for line in (tmp_path / "variants-levels.jsonl").read_text().splitlines()]
     assert kept == levels
+
+
+def test_a_compile_flow_variant_measures_the_flow_compiled_in_place(tmp_path):
+    """The eager levels first, then the same flow compiled on the compile thread (compiling.py), its
+    levels measured once what the variant's warm-up met is compiled."""
+    out = tmp_path / "compiled.json"
+    command = [
+        sys.executable, "-m", "cosyapp.bench", "--device", "cpu", "--drivers", "pipeline",
+        "--texts", "tokens", "--tokens", "60", "--modes", "stream", "--clients", "1",
+        "--variant", "compiled:compile_flow=true", "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    eager, compiled = json.loads(out.read_text())["levels"]
+    assert eager.get("variant") is None and compiled["variant"] == "compiled"
+    for level in (eager, compiled):
+        assert level["requests"] == 1 and level["failed"] == 0, level["errors"]
+    assert "compile_wait_s" not in eager and compiled["compile_wait_s"] > 0
+    # Nothing compiled before the variant; then the compile thread did before its level, and only it.
+    assert eager["stages"]["flow_compiles"] == 0 and "compiled_before" not in eager
+    assert compiled["compiled_before"] > 0 and compiled["stages"]["compiles_elsewhere"] == 0

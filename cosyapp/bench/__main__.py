@@ -32,9 +32,11 @@ from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
 # The ServeOptions a --variant may change: the token2wav worker's (engine/build.py build_token2wav)
-# and the text lanes. compile_flow, compile_hift and flow_dtype are not among them: they change the
-# model's flow or HiFT in place.
+# and the text lanes; and compile_flow=true, which compiles an eagerly served flow in place, so only
+# as the last variant of a run without --compile-flow. compile_hift and flow_dtype are not among
+# them: they change the model's HiFT or flow in place, with no way back or forth.
 VARIANT_FIELDS = (
+    "compile_flow",
     "first_hop",
     "flow_cache_gb",
     "chunked_final",
@@ -241,6 +243,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except OptionError as e:
         parser.error(e.flag())
     args.variants = dict(_variant(parser, text, args.serve) for text in args.variants)
+    for name, changes in list(args.variants.items())[:-1]:
+        if changes.get("compile_flow"):
+            parser.error(f"--variant {name}: compile_flow compiles the flow for good: the last variant only")
+    for name, changes in args.variants.items():
+        if "compile_flow" in changes and (args.compile_flow or not changes["compile_flow"]):
+            parser.error(f"--variant {name}: compile_flow=true compiles an eager flow: no --compile-flow")
     if args.variants and "pipeline" not in args.drivers:
         parser.error("--variant measures the pipeline driver: add pipeline to --drivers")
     http = [d for d in args.drivers if d != "pipeline"]

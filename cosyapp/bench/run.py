@@ -29,7 +29,7 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside
+from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside, prepare_flow
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.compiling import epoch
@@ -162,6 +162,9 @@ async def _measure_variant(
         # On a GPU the old pool stayed allocated after the collection below (an H100 run sized the
         # next pool from what was left and then ran out of memory): free it outright.
         old.cached.free()
+    compiles = options.compile_flow and not args.serve.compile_flow
+    if compiles:  # the last variant (parse_args): the flow compiled in place, its graphs made anew
+        prepare_flow(pipeline.model.flow, pipeline.model.device, options)
     pipeline.token2wav = build_token2wav(pipeline.model, options)
     del old
     gc.collect()  # the incremental flow's page pool goes before the new worker sizes its own
@@ -176,10 +179,17 @@ async def _measure_variant(
             await pipeline.warm_up_token2wav()
             await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
             await pipeline.token2wav.graphs_settled()
+            started = time.perf_counter()
+            if compiles:
+                await _compiled(pipeline, warm_up=pipeline.model.device.type != "cpu")
+            waited = {}
+            if compiles:  # what the compile thread had compiled when the levels began
+                compiled = pipeline.token2wav.stats().flow_compiles
+                waited = {"compile_wait_s": time.perf_counter() - started, "compiled_before": compiled}
         for text, mode, clients in itertools.product(texts, args.modes, args.clients):
             with decoding_ratio(pipeline.model, text.ratio):
                 level = await measure(driver, text, mode == "stream", clients, pipeline, progress.update)
-            levels.append(level | {"variant": name})
+            levels.append(level | {"variant": name} | waited)
             _keep(args, levels[-1])
             progress.write(row(levels[-1]))
     await driver.close()

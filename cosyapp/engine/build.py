@@ -105,8 +105,9 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
 
 def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: ServeOptions) -> None:
     """``flow`` made ready to serve on ``device``, in place: its matrix weights stored in the autocast
-    dtype, compiled with ``compile_flow``, its estimator replayed from CUDA graphs on a GPU (captured
-    later, by the token2wav worker's start). scripts/flow_precompile.py runs it too."""
+        dtype, compiled with ``compile_flow``, its estimator replayed from CUDA graphs on a GPU (captured
+        later, by the token2wav worker's start). scripts/flow_precompile.py runs it too, and the benchmark
+    again on a flow that served eagerly, to compile it (its compile_flow variant)."""
     flow_dtype = flow_autocast_dtype(device, options)
     if flow_dtype is not None and device.type == "cuda" and flow.matmul_dtype is None:
         from cosyapp.engine.token2wav.precision import cast_matmul_weights
@@ -115,11 +116,16 @@ def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: 
         cast_matmul_weights(flow, flow_dtype)
     if options.compile_flow:
         from cosyapp.engine.token2wav.flow_cache import raw_estimator
-        from cosyapp.engine.token2wav.fused import fuse_estimator
+        from cosyapp.engine.token2wav.fused import fuse_estimator, is_compiled
 
-        # Compiled on a thread of its own while the flow serves eagerly; its CUDA graphs are
-        # captured again once the compiles are done (engine/token2wav/compiling.py).
-        fuse_estimator(raw_estimator(flow), options.cache_dir / "inductor", background=True)
+        estimator = raw_estimator(flow)
+        if not is_compiled(estimator):
+            # A flow that served eagerly first (the benchmark's compile_flow variant): its graphs
+            # replay eager kernels and never learn of the compiles; new ones are made below.
+            flow.decoder.estimator = estimator
+            # Compiled on a thread of its own while the flow serves eagerly; its CUDA graphs are
+            # captured again once the compiles are done (engine/token2wav/compiling.py).
+            fuse_estimator(estimator, options.cache_dir / "inductor", background=True)
     if options.cuda_graphs and device.type == "cuda":
         from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
