@@ -10,10 +10,12 @@ thread, which calls the compiled function on them. Once that has returned, calls
 compiled. So a server starts and serves at once, eagerly, and its flow turns compiled within
 minutes; from inductor's cache (kept under the serving cache folder) within seconds.
 
-The CUDA graphs of the flow (graphs.py, incremental_graphs.py) replay what their capture ran. Each
-captured graph keeps the ``epoch`` it was captured in; when the compile thread's queue runs dry after
-compiling, the epoch moves on and it calls each registered ``recapture`` hook, which captures the
-older graphs again (in place of the old, which serve until then), so they replay compiled kernels.
+The CUDA graphs of the flow and HiFT (graphs.py, incremental_graphs.py, hift_graphs.py) replay what
+their capture ran. Each is kept in a ``GraphTable`` as a ``Captured`` with the ``epoch`` it was
+captured in; when the compile thread's queue runs dry after compiling, the epoch moves on and it
+calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its owner captures it
+again (the hook, or the next call that meets it), in place of the old, which serves until then, so
+the graphs replay compiled kernels.
 
 Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
 the compile thread compiles it, and the compiled graph then serves every copy of the module
@@ -26,8 +28,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 import torch._dynamo.callback
@@ -279,3 +282,74 @@ COMPILER = _CompileThread()
 def epoch() -> int:
     """The compile thread's epoch: a graph captured in an earlier one may replay eager kernels."""
     return COMPILER.epoch
+
+
+@dataclass(kw_only=True)
+class Captured:
+    """What a GraphTable holds: its subclass's ``graph`` (a CUDA graph, or None where the call runs
+    eagerly) and the compile epoch it was captured in, read before the capture ran anything (a
+    compile that ends meanwhile leaves the graph stale)."""
+
+    epoch: int
+
+    @property
+    def stale(self) -> bool:
+        """Captured before the compile thread's latest compiles: it may replay eager kernels."""
+        return self.epoch < COMPILER.epoch
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+C = TypeVar("C", bound=Captured)
+
+
+class GraphTable(Generic[C]):
+    """An owner's captured graphs by key (graphs.py, hift_graphs.py, incremental_graphs.py). A graph
+    is captured again once stale (``Captured.stale``, ``older_than``), on whichever thread its owner
+    captures; ``put`` puts the new graph in place of the old, which is kept alive: a replay on the
+    thread that serves the owner's calls may still be using it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._graphs: dict[Hashable, C] = {}
+        self._retired: list[C] = []  # replaced: never freed mid-replay
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter([key for key, _ in self.items()])
+
+    def __getitem__(self, key: Hashable) -> C:
+        return self._graphs[key]
+
+    def items(self) -> list[tuple[Hashable, C]]:
+        with self._lock:
+            return list(self._graphs.items())
+
+    def lookup(self, key: Hashable) -> C | None:
+        """The graph a call of ``key`` replays, or None where none is captured."""
+        return self._graphs.get(key)
+
+    def older_than(self, epoch: int) -> list[tuple[Hashable, C]]:
+        """The graphs captured before ``epoch``, to capture again."""
+        return [(key, graph) for key, graph in self.items() if graph.epoch < epoch]
+
+    def put(self, key: Hashable, graph: C) -> C:
+        """``graph`` in place of ``key``'s, if any, which is kept alive (it may be replaying)."""
+        with self._lock:
+            old = self._graphs.get(key)
+            if old is not None:
+                self._retired.append(old)
+            self._graphs[key] = graph
+        return graph
+
+    def clear(self) -> None:
+        """Drop every graph (their owner is stopped for good: none replays any more)."""
+        with self._lock:
+            self._graphs.clear()
+            self._retired.clear()
