@@ -1,14 +1,26 @@
 """compiling.py: compiled functions that never compile on their caller's thread. A call of a kind
 not compiled yet runs eagerly and hands a copy of its arguments to the compile thread; once that
 has compiled it, calls of that kind run compiled; a compile that fails leaves its kind eager; the
-graphs captured before a compile are captured again after it (CPU: the padded eager buckets)."""
+graphs captured before a compile are captured again after it (CPU: the padded eager buckets), and
+the graphs they replace are freed once no replay can use them (GraphTable)."""
 
+import gc
 import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from cosyapp.engine.token2wav import compiling
-from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, epoch, kind, same_strides
+from cosyapp.engine.token2wav.compiling import (
+    COMPILER,
+    Captured,
+    Deferred,
+    GraphTable,
+    epoch,
+    kind,
+    same_strides,
+)
 from cosyapp.engine.token2wav.fused import fuse_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
@@ -111,10 +123,13 @@ def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model)
         assert epoch() > max(before.values())
         assert all(graphed._graphs[key].epoch > e for key, e in before.items())
         assert estimator.forward.ready  # the calls' kinds now run compiled
+        # The buckets of 4 rows were found by the first calls: kept until a lookup; those of 2 are gone.
+        assert graphed._graphs.retired == 2
         for streaming in (False, True):
             torch.testing.assert_close(first[streaming], want[streaming], rtol=1e-4, atol=1e-5)
             again = graphed(x, mask, mu, t, spks, cond, streaming)
             torch.testing.assert_close(again, want[streaming], rtol=1e-4, atol=1e-5)
+        assert graphed._graphs.retired == 0  # no event to wait for on a CPU
 
 
 def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again():
@@ -147,3 +162,110 @@ def test_a_call_whose_copy_fails_still_runs_and_its_kind_stays_eager():
     for _ in range(2):
         torch.testing.assert_close(fn(x, w), mlp(x, w), rtol=0, atol=0)
     assert fn.failed and not fn.pending and not fn.ready and backend.threads == []
+
+
+class Replays:
+    """A graph as GraphTable sees one: a replay()."""
+
+    def __init__(self):
+        self.count = 0
+
+    def replay(self):
+        self.count += 1
+
+
+class GPU:
+    """A CUDA event's record, query and synchronize on a GPU the test plays: a replay recorded
+    runs until the test ends it (``finish``) or a synchronize waits for it."""
+
+    def __init__(self):
+        self.running = False
+        self.waits = 0
+
+    def record(self):
+        self.running = True
+
+    def query(self) -> bool:
+        return not self.running
+
+    def synchronize(self):
+        self.waits += 1
+        self.running = False
+
+    def finish(self):
+        self.running = False
+
+
+@dataclass
+class Graph(Captured):
+    graph: Replays
+
+
+def captured(epoch_: int = 0) -> tuple[Graph, GPU]:
+    graph = Graph(Replays(), epoch=epoch_)
+    graph.ended = GPU()  # a CUDA graph's event; here the test's
+    return graph, graph.ended
+
+
+def freed(ref: weakref.ref) -> bool:
+    gc.collect()
+    return ref() is None
+
+
+def test_a_replaced_graph_is_freed_at_a_later_lookup_once_its_last_replay_has_ended():
+    table = GraphTable()
+    old, gpu = captured()
+    table.put("k", old)
+    assert table.lookup("k") is old
+    old.replay()
+    ref = weakref.ref(old)
+    del old
+    new, _ = captured(1)
+    table.put("k", new)  # a compile later
+    assert table.retired == 1 and not freed(ref)
+    assert table.lookup("k") is new
+    assert table.retired == 1 and not freed(ref)  # its replay still runs on the GPU
+    gpu.finish()
+    assert table.lookup("other") is None
+    assert table.retired == 0 and freed(ref)
+
+
+def test_a_graph_found_but_not_replayed_yet_stays_until_a_later_lookup():
+    """Replaced between the serving thread's lookup and its replay: nothing recorded on its event
+    yet, so only the next lookup tells that the replay has been launched."""
+    table = GraphTable()
+    old, gpu = captured()
+    table.put("k", old)
+    found = table.lookup("k")
+    ref = weakref.ref(old)
+    del old
+    table.put("k", captured(1)[0])  # another thread, meanwhile
+    assert gpu.query() and table.retired == 1
+    found.replay()  # the serving thread goes on with what it found
+    del found
+    table.lookup("k")
+    assert table.retired == 1 and not freed(ref)  # its replay runs
+    gpu.finish()
+    table.lookup("k")
+    assert freed(ref)
+
+
+def test_a_replaced_graph_no_lookup_found_is_freed_at_once_and_one_per_key_stays_at_most():
+    table = GraphTable()
+    first, first_gpu = captured()
+    table.put("k", first)
+    table.lookup("k").replay()
+    second, second_gpu = captured(1)
+    third = captured(2)[0]
+    refs = [weakref.ref(g) for g in (first, second, third)]
+    table.put("k", second)
+    table.put("k", third)  # before any lookup found the second: it goes, the first stays
+    del first, second, third
+    assert [freed(r) for r in refs] == [False, True, False] and table.retired == 1
+    assert first_gpu.running and first_gpu.waits == 0
+    fourth = captured(3)[0]
+    table.lookup("k").replay()  # the third, found and replaying; the first still running
+    table.put("k", fourth)  # the first's event is waited for, and the first freed
+    assert first_gpu.waits == 1 and [freed(r) for r in refs] == [True, True, False]
+    assert table.retired == 1 and table.older_than(3) == [] and table.older_than(4) == [("k", fourth)]
+    assert not second_gpu.running

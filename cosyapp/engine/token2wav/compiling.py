@@ -14,8 +14,8 @@ The CUDA graphs of the flow and HiFT (graphs.py, incremental_graphs.py, hift_gra
 their capture ran. Each is kept in a ``GraphTable`` as a ``Captured`` with the ``epoch`` it was
 captured in; when the compile thread's queue runs dry after compiling, the epoch moves on and it
 calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its owner captures it
-again (the hook, or the next call that meets it), in place of the old, which serves until then, so
-the graphs replay compiled kernels.
+again (the hook, or the next call that meets it), in place of the old, which serves until then and
+is freed once no replay can use it, so the graphs replay compiled kernels.
 
 Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
 the compile thread compiles it, and the compiled graph then serves every copy of the module
@@ -291,6 +291,12 @@ class Captured:
     compile that ends meanwhile leaves the graph stale)."""
 
     epoch: int
+    # A CUDA graph's: recorded after each replay, on the stream it ran on (GraphTable frees by it).
+    ended: "torch.cuda.Event | None" = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(getattr(self, "graph", None), torch.cuda.CUDAGraph):
+            self.ended = torch.cuda.Event()
 
     @property
     def stale(self) -> bool:
@@ -299,6 +305,8 @@ class Captured:
 
     def replay(self) -> None:
         self.graph.replay()
+        if self.ended is not None:
+            self.ended.record()
 
 
 C = TypeVar("C", bound=Captured)
@@ -307,13 +315,26 @@ C = TypeVar("C", bound=Captured)
 class GraphTable(Generic[C]):
     """An owner's captured graphs by key (graphs.py, hift_graphs.py, incremental_graphs.py). A graph
     is captured again once stale (``Captured.stale``, ``older_than``), on whichever thread its owner
-    captures; ``put`` puts the new graph in place of the old, which is kept alive: a replay on the
-    thread that serves the owner's calls may still be using it."""
+    captures, and ``put`` in place of the old one, which is freed once no replay can use it.
+
+    One thread at a time serves the owner's calls, on a CUDA stream of its own (worker.py): it finds
+    each graph it replays by a ``lookup`` (a graph it has just captured too) and replays it before
+    its next lookup. Lookups and puts hold one lock: a lookup is wholly before a put, and may find
+    the old graph, or wholly after it, and finds the new one. So a replaced graph that a lookup found
+    is safe to free once (1) a later lookup has started: the serving thread has launched every
+    replay of it, and none will find it again; and (2) its ``ended`` event has passed: its last
+    replay, and with it every earlier one on that stream, has finished on the GPU, so no kernel
+    reads its memory any more (its outputs' blocks go back to the shared pool, where a later capture
+    may take them). Lookups free such graphs, as (1) holds then. A replaced graph no lookup found is
+    freed at once. At most one replaced graph per key stays: when another replaces the one that
+    replaced it, which a lookup found after the put (else it goes at once), (1) holds for the older,
+    and the putting thread waits for its event."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._graphs: dict[Hashable, C] = {}
-        self._retired: list[C] = []  # replaced: never freed mid-replay
+        self._found: set[Hashable] = set()  # keys whose graph a lookup has found since its put
+        self._retired: dict[Hashable, C] = {}  # replaced, found by a lookup, maybe still replaying
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -331,25 +352,43 @@ class GraphTable(Generic[C]):
         with self._lock:
             return list(self._graphs.items())
 
+    @property
+    def retired(self) -> int:
+        """Replaced graphs not freed yet."""
+        return len(self._retired)
+
     def lookup(self, key: Hashable) -> C | None:
-        """The graph a call of ``key`` replays, or None where none is captured."""
-        return self._graphs.get(key)
+        """The graph a call of ``key`` replays, or None where none is captured. The serving thread's
+        only way to a graph; it frees the replaced graphs whose last replay has ended."""
+        with self._lock:
+            if self._retired:
+                for old in [k for k, g in self._retired.items() if g.ended is None or g.ended.query()]:
+                    del self._retired[old]
+            graph = self._graphs.get(key)
+            if graph is not None:
+                self._found.add(key)
+            return graph
 
     def older_than(self, epoch: int) -> list[tuple[Hashable, C]]:
         """The graphs captured before ``epoch``, to capture again."""
         return [(key, graph) for key, graph in self.items() if graph.epoch < epoch]
 
-    def put(self, key: Hashable, graph: C) -> C:
-        """``graph`` in place of ``key``'s, if any, which is kept alive (it may be replaying)."""
+    def put(self, key: Hashable, graph: C) -> None:
+        """``graph`` in place of ``key``'s, if any: that one is kept while a replay may use it."""
+        older = None
         with self._lock:
             old = self._graphs.get(key)
-            if old is not None:
-                self._retired.append(old)
             self._graphs[key] = graph
-        return graph
+            if old is not None and key in self._found:
+                self._found.discard(key)
+                older = self._retired.pop(key, None)
+                self._retired[key] = old
+        if older is not None and older.ended is not None:
+            older.ended.synchronize()  # its last replay, launched before a lookup found ``old``
 
     def clear(self) -> None:
         """Drop every graph (their owner is stopped for good: none replays any more)."""
         with self._lock:
             self._graphs.clear()
+            self._found.clear()
             self._retired.clear()

@@ -125,7 +125,10 @@ class GraphedEstimator(nn.Module):
             return self.estimator(x, mask, mu, t, spks, cond, streaming, all_valid)
         # A bucket pads frames and rows, so its graph always runs with the attention mask.
         key = (*shape, streaming, x.dtype, autocast_dtype(x.device), x.device)
-        captured = self._graphs.lookup(key) or self._capture(key, (x, mask, mu, t, spks, cond), streaming)
+        captured = self._graphs.lookup(key)
+        if captured is None:  # captured, then found by a lookup like every graph replayed (GraphTable)
+            self._capture(key, (x, mask, mu, t, spks, cond), streaming)
+            captured = self._graphs.lookup(key)
         _fill(captured.inputs, (x, mask, mu, t, spks, cond))
         if captured.graph is None:
             return self.estimator(*captured.inputs, streaming)[:rows, :, :frames]
@@ -162,11 +165,11 @@ class GraphedEstimator(nn.Module):
             log.info("captured %d flow estimator graphs again with the compiled flow", len(stale))
         return len(stale)
 
-    def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
+    def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> None:
         with self._capturing:
-            return self._capture_now(key, like, streaming)
+            self._capture_now(key, like, streaming)
 
-    def _capture_now(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
+    def _capture_now(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> None:
         rows, frames = key[0], key[1]
         x, mask, mu, t, spks, cond = like
         inputs = _blank_inputs(rows, frames, x.size(1), x.device, x.dtype, mu.size(1), cond.size(1))
@@ -185,7 +188,7 @@ class GraphedEstimator(nn.Module):
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.estimator(*inputs, streaming)
             captured = _Captured(graph, inputs, output, epoch=now)
-        return self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
+        self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
 
 
 def _blank_inputs(

@@ -83,18 +83,9 @@ class HiFTRunner:
     ) -> tuple[Tensor, Tensor]:
         key = self._key(mel, cache)
         graph = None if key is None else self._graphs.lookup(key)
-        if graph is not None and graph.stale and key not in self._eager:
-            graph = self._capture(key, mel, cache) or graph  # captured before a compile: again
-        if (
-            graph is None
-            and key is not None
-            and key not in self._eager
-            and len(self._graphs) < self.max_graphs
-        ):
-            self._met[key] += 1
-            if self._met[key] >= CAPTURE_AT:
-                del self._met[key]
-                graph = self._capture(key, mel, cache)
+        due = key is not None and key not in self._eager and self._due(key, graph)
+        if due and self._capture(key, mel, cache):  # then found by a lookup (GraphTable)
+            graph = self._graphs.lookup(key)
         if graph is None:
             return self.hift(mel, cache, generators=generators)
         batch = mel.size(0)
@@ -113,6 +104,19 @@ class HiFTRunner:
         self.replays += 1
         return graph.speech[:batch].clone(), graph.source[:batch].clone()
 
+    def _due(self, key: tuple, graph: _Graph | None) -> bool:
+        """Whether this call captures ``key``: its graph was captured before a compile, or it has
+        none and this is its CAPTURE_AT-th call (while fewer than max_graphs are held)."""
+        if graph is not None:
+            return graph.stale
+        if len(self._graphs) >= self.max_graphs:
+            return False
+        self._met[key] += 1
+        if self._met[key] < CAPTURE_AT:
+            return False
+        del self._met[key]
+        return True
+
     def _key(self, mel: Tensor, cache: Tensor | None) -> tuple | None:
         """The graph a call replays: None for calls that run eagerly (off CUDA, or too many rows)."""
         if not (self.graphs and (mel.is_cuda or not self.capture)):
@@ -123,7 +127,8 @@ class HiFTRunner:
         cached = 0 if cache is None or cache.size(2) == 0 else cache.size(2)
         return rows, mel.size(1), mel.size(2), cached, mel.dtype
 
-    def _capture(self, key: tuple, mel: Tensor, cache: Tensor | None) -> _Graph | None:
+    def _capture(self, key: tuple, mel: Tensor, cache: Tensor | None) -> bool:
+        """Capture ``key``'s graph, in place of any it has; False where that failed (it runs eagerly)."""
         rows, channels, frames, cached, dtype = key
         dev = mel.device
         started = time.perf_counter()
@@ -140,8 +145,10 @@ class HiFTRunner:
             now = epoch()  # before running anything: a compile ending during the capture makes it stale
             if not self.capture:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
-                eager = _Graph(None, static_mel, static_cache, noise, speech, source, epoch=now)
-                return self._graphs.put(key, eager)
+                self._graphs.put(
+                    key, _Graph(None, static_mel, static_cache, noise, speech, source, epoch=now)
+                )
+                return True
             # cuDNN and cuFFT pick and cache their plans in the runs before the capture
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph, (speech, source) = capture_graph(
@@ -151,11 +158,11 @@ class HiFTRunner:
         except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
             log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
             self._eager.add(key)
-            return None
+            return False
         finally:
             self.capture_seconds += time.perf_counter() - started
         self.captures += 1
         captured = _Graph(graph, static_mel, static_cache, noise, speech, source, epoch=now)
         self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
         log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
-        return captured
+        return True

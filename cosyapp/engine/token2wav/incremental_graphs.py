@@ -74,7 +74,9 @@ class IncrementalGraphs:
             self._miss(key, inputs)
             self.eager_calls += 1
             return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
-        graph = graph or self._capture(key, inputs)
+        if graph is None:  # captured, then found by a lookup like every graph replayed (GraphTable)
+            self._capture(key, inputs)
+            graph = self._graphs.lookup(key)
         if graph.stale:  # captured before a compile (compiling.py): capture it again
             self._miss(key, inputs)
         graph.inputs.copy_(inputs)
@@ -129,7 +131,7 @@ class IncrementalGraphs:
             log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return True
 
-    def _capture(self, key: tuple, like: CallInputs) -> _Graph:
+    def _capture(self, key: tuple, like: CallInputs) -> None:
         static = like.empty_like()
         static.copy_(like)
         dev = like.x.device
@@ -149,4 +151,4 @@ class IncrementalGraphs:
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
         # After a compile: in place of the old, which the flow thread may be replaying (compiling.py).
-        return self._graphs.put(key, _Graph(graph, static, x, tails, epoch=now))
+        self._graphs.put(key, _Graph(graph, static, x, tails, epoch=now))
