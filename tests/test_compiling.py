@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cosyapp.engine.token2wav import compiling
 from cosyapp.engine.token2wav.compiling import (
     COMPILER,
     Captured,
@@ -49,8 +48,7 @@ def deferred(backend) -> Deferred:
     return Deferred("mlp", mlp, torch.compile(mlp, backend=backend, dynamic=True))
 
 
-def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind():
-    compiling.reset()
+def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind(fresh_compiles):
     backend = Recorder()
     fn = deferred(backend)
     x, w = torch.randn(6, 16), torch.randn(16, 16) / 4
@@ -70,8 +68,7 @@ def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind():
     assert len(fn.ready) == 2 and set(backend.threads) == {"flow-compile"}
 
 
-def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on():
-    compiling.reset()
+def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on(fresh_compiles):
     failing, working = deferred(Recorder(fail=True)), deferred(Recorder())
     x, w = torch.randn(5, 8), torch.randn(8, 8)
     want = mlp(x, w)
@@ -99,13 +96,12 @@ def test_the_kind_tells_apart_what_a_dynamic_compile_specialises():
         assert kind((x,), {}) != plain
 
 
-def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model):
+def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model, fresh_compiles):
     """A GraphedEstimator over an estimator compiled in the background: the buckets captured at the
     start (here padded eager buckets, as on a CPU) are captured again once the compile thread has
     compiled the calls met, and then replay what they did before."""
     import copy
 
-    compiling.reset()
     estimator = copy.deepcopy(tiny_model.flow.decoder.estimator)
     fuse_estimator(estimator, background=True)
     graphed = GraphedEstimator(estimator, row_buckets=(2, 4), frame_buckets=(128,), use_graphs=False)
@@ -132,10 +128,9 @@ def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model)
         assert graphed._graphs.retired == 0  # no event to wait for on a CPU
 
 
-def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again():
+def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again(fresh_compiles):
     """A slice with gaps and a broadcast axis: the copies keep their strides (a clone would not), so
     the graph compiled on them is the one later calls of that kind pass the guards of."""
-    compiling.reset()
     backend = Recorder()
     fn = deferred(backend)
     w = torch.randn(16, 16) / 4

@@ -106,7 +106,6 @@ class Deferred:
         self.ready: set[tuple] = set()
         self.pending: set[tuple] = set()
         self.failed: set[tuple] = set()
-        _ALL.add(self)
 
     def __call__(self, *args, **kwargs):
         # Traced inside another compiled function: inline the eager one. (is_compiling would not do:
@@ -126,19 +125,6 @@ class Deferred:
                 self.pending.add(key)
                 COMPILER.submit(request)
         return self.eager(*args, **kwargs)
-
-
-_ALL: "weakref.WeakSet[Deferred]" = weakref.WeakSet()
-
-
-def reset() -> None:
-    """torch._dynamo.reset(), and every Deferred forgets what it had compiled, so its next call of each
-    kind goes to the compile thread again rather than compiling where it is made. For tests, which
-    count graphs from none."""
-    torch._dynamo.reset()
-    for fn in list(_ALL):
-        fn.ready.clear()
-        fn.failed.clear()
 
 
 def _capturing() -> bool:
