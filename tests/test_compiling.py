@@ -96,6 +96,44 @@ def test_the_kind_tells_apart_what_a_dynamic_compile_specialises():
         assert kind((x,), {}) != plain
 
 
+def test_the_kind_tells_apart_each_thing_it_lists_and_nothing_more():
+    x = torch.randn(4, 6, 8)
+    same = [
+        (torch.randn(5, 7, 9),),  # other sizes past 1
+        (torch.randn(8, 6, 8)[:4],),  # a view with the same layout
+    ]
+    for args in same:
+        assert kind(args, {}) == kind((x,), {})
+    other = [
+        (x.double(),),  # dtype
+        (torch.randn(4, 6),),  # rank
+        (torch.randn(4, 0, 8),),  # a size of 0
+        (torch.randn(4, 1, 8),),  # a size of 1
+        (torch.randn(4, 6, 16)[:, :, ::2],),  # not contiguous
+        (torch.randn(6, 4, 8).transpose(0, 1),),  # order of strides
+        (torch.randn(4, 6, 8).permute(0, 2, 1).contiguous().permute(0, 2, 1),),  # another order
+        (torch.randn(4, 6, 8, requires_grad=True),),  # requires grad
+        (x, torch.randn(5)),  # one more argument
+    ]
+    with torch.inference_mode():
+        other.append((torch.randn(4, 6, 8),))  # an inference tensor (kind taken outside the mode)
+    kinds = [kind(args, {}) for args in other]
+    assert len(set(kinds)) == len(kinds) and kind((x,), {}) not in kinds
+    # Which sizes equal which, across tensors; 0 and 1 are their own, wherever they come.
+    assert kind((x, torch.randn(6)), {}) == kind((torch.randn(3, 7, 5), torch.randn(7)), {})
+    assert kind((x, torch.randn(6)), {}) != kind((x, torch.randn(8)), {})
+    assert kind((torch.randn(1, 3), torch.randn(0)), {}) != kind((torch.randn(0, 3), torch.randn(1)), {})
+    # Modules by type, plain values by value, kwargs whatever their order.
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+    assert kind((a, x), {}) == kind((b, x), {}) != kind((torch.nn.ReLU(), x), {})
+    assert kind((x, 3), {}) != kind((x, 4), {}) and kind((x, "a"), {}) != kind((x, None), {})
+    flags = {"streaming": True, "all_valid": False}
+    assert kind((x,), flags) == kind((x,), dict(reversed(flags.items())))
+    plain = kind((x,), {})
+    with torch.no_grad():
+        assert kind((x,), {}) != plain  # the grad state
+
+
 def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model, fresh_compiles):
     """A GraphedEstimator over an estimator compiled in the background: the buckets captured at the
     start (here padded eager buckets, as on a CPU) are captured again once the compile thread has

@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 
 import torch
 import torch._dynamo.callback
-from torch import Tensor, nn
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 THREAD = "flow-compile"
@@ -44,31 +44,47 @@ def kind(args: tuple, kwargs: dict) -> tuple:
     """What tells one compiled graph of a ``dynamic=True`` compile from another, as far as the call
     shows it: each tensor's dtype, device, rank, sizes of 0 and 1 (specialised), contiguity, order
     of strides, whether it is an inference tensor and requires grad; which sizes equal which; each
-    module's type; the plain values; the autocast and grad state of the tensors' device."""
-
-    def describe(a):
-        if isinstance(a, Tensor):
-            order = sorted(range(a.dim()), key=lambda d: -a.stride(d))  # the layout, up to gaps
-            sizes = tuple(min(s, 2) for s in a.shape)
-            layout = (a.is_contiguous(), tuple(order), a.is_inference(), a.requires_grad)
-            return ("tensor", a.dtype, a.device.type, sizes, *layout)
-        if isinstance(a, nn.Module):
-            return ("module", type(a))
-        if a is None or isinstance(a, (bool, int, float, str)):
-            return a
-        return type(a)
-
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    device = tensors[0].device.type if tensors else "cpu"
+    module's type; the plain values; the autocast and grad state of the tensors' device. Written
+    for speed: every call of a compiled function pays for it (hundreds per incremental flow call)."""
+    sizes: list[int] = []
+    described = [_describe(a, sizes) for a in args]
+    named = [(k, _describe(v, sizes)) for k, v in kwargs.items()]
+    # The first tensor's device type: a tensor's description is the one tuple, its device second.
+    for d in described:
+        if type(d) is tuple:
+            device = d[1]
+            break
+    else:
+        device = next((d[1] for _, d in named if type(d) is tuple), "cpu")
     # Dynamo gives sizes that are equal one symbol and guards on that (duck sizing): which sizes past
-    # 1 equal an earlier one is part of the kind (the incremental step's reads and writes have equal
-    # lengths when a stream has no past pages yet).
-    first: dict[int, int] = {}
-    sizes = [s for t in tensors for s in t.shape]
-    equal = tuple(first.setdefault(s, i) if s > 1 else -1 for i, s in enumerate(sizes))
+    # 1 equal which is part of the kind (the incremental step's reads and writes have equal lengths
+    # when a stream has no past pages yet), with those of 0 and 1. Each size as 0 -> -2, 1 -> -1, and
+    # the others numbered from 2 in the order they first come in.
+    first = {0: -2, 1: -1}
+    equal = tuple([first.setdefault(s, len(first)) for s in sizes])
     autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
     state = (device, *autocast, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-    return (*map(describe, args), *sorted((k, describe(v)) for k, v in kwargs.items()), equal, state)
+    return (*described, *sorted(named), equal, state)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _describe(a, sizes: list[int]) -> object:
+    """A plain value as it is; a tensor as a tuple, its sizes added to ``sizes``; anything else (a
+    module) by its type, which no other kind of object has. A tensor's order of strides (ties in
+    axis order: the layout, up to gaps) is its rank alone where they never increase (contiguous,
+    and most views), as sorting takes longer."""
+    if not isinstance(a, Tensor):
+        return a if isinstance(a, _PLAIN) else type(a)
+    shape, strides = a.shape, a.stride()
+    sizes += shape
+    if len(strides) < 2 or list(strides) == sorted(strides, reverse=True):
+        order = len(strides)
+    else:  # sorted by stride, largest first; reverse keeps ties in axis order
+        order = tuple(sorted(range(len(strides)), key=strides.__getitem__, reverse=True))
+    device = "cuda" if a.is_cuda else "cpu" if a.is_cpu else a.device.type  # .device takes longer
+    return (a.dtype, device, order, a.is_contiguous(), a.is_inference(), a.requires_grad)
 
 
 def clone_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
