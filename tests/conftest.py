@@ -47,6 +47,24 @@ def compile_threads() -> list[str]:
     return _COMPILE_THREADS
 
 
+@pytest.fixture
+def fresh_compiles() -> None:
+    """torch._dynamo.reset(), and every compiling.Deferred forgets the kinds it had compiled (or failed
+    to), so its next call of each kind goes to the compile thread again rather than compiling where
+    it is made: for tests that count graphs from none."""
+    import gc
+
+    import torch._dynamo
+
+    from cosyapp.engine.token2wav.compiling import Deferred
+
+    torch._dynamo.reset()
+    # type(o), not isinstance: some of torch's deprecated objects warn when asked their __class__
+    for fn in [o for o in gc.get_objects() if issubclass(type(o), Deferred)]:
+        fn.ready.clear()
+        fn.failed.clear()
+
+
 @pytest.fixture(scope="session")
 def manifest():
     """manifest("llm.pt") -> {tensor name: shape}; manifest("cosyvoice2.yaml") -> the yaml's values."""

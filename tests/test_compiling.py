@@ -1,14 +1,25 @@
 """compiling.py: compiled functions that never compile on their caller's thread. A call of a kind
 not compiled yet runs eagerly and hands a copy of its arguments to the compile thread; once that
 has compiled it, calls of that kind run compiled; a compile that fails leaves its kind eager; the
-graphs captured before a compile are captured again after it (CPU: the padded eager buckets)."""
+graphs captured before a compile are captured again after it (CPU: the padded eager buckets), and
+the graphs they replace are freed once no replay can use them (GraphTable)."""
 
+import gc
 import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 
-from cosyapp.engine.token2wav import compiling
-from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, epoch, kind, same_strides
+from cosyapp.engine.token2wav.compiling import (
+    COMPILER,
+    Captured,
+    Deferred,
+    GraphTable,
+    epoch,
+    kind,
+    same_strides,
+)
 from cosyapp.engine.token2wav.fused import fuse_estimator
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
@@ -37,8 +48,7 @@ def deferred(backend) -> Deferred:
     return Deferred("mlp", mlp, torch.compile(mlp, backend=backend, dynamic=True))
 
 
-def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind():
-    compiling.reset()
+def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind(fresh_compiles):
     backend = Recorder()
     fn = deferred(backend)
     x, w = torch.randn(6, 16), torch.randn(16, 16) / 4
@@ -58,8 +68,7 @@ def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind():
     assert len(fn.ready) == 2 and set(backend.threads) == {"flow-compile"}
 
 
-def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on():
-    compiling.reset()
+def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on(fresh_compiles):
     failing, working = deferred(Recorder(fail=True)), deferred(Recorder())
     x, w = torch.randn(5, 8), torch.randn(8, 8)
     want = mlp(x, w)
@@ -87,13 +96,50 @@ def test_the_kind_tells_apart_what_a_dynamic_compile_specialises():
         assert kind((x,), {}) != plain
 
 
-def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model):
+def test_the_kind_tells_apart_each_thing_it_lists_and_nothing_more():
+    x = torch.randn(4, 6, 8)
+    same = [
+        (torch.randn(5, 7, 9),),  # other sizes past 1
+        (torch.randn(8, 6, 8)[:4],),  # a view with the same layout
+    ]
+    for args in same:
+        assert kind(args, {}) == kind((x,), {})
+    other = [
+        (x.double(),),  # dtype
+        (torch.randn(4, 6),),  # rank
+        (torch.randn(4, 0, 8),),  # a size of 0
+        (torch.randn(4, 1, 8),),  # a size of 1
+        (torch.randn(4, 6, 16)[:, :, ::2],),  # not contiguous
+        (torch.randn(6, 4, 8).transpose(0, 1),),  # order of strides
+        (torch.randn(4, 6, 8).permute(0, 2, 1).contiguous().permute(0, 2, 1),),  # another order
+        (torch.randn(4, 6, 8, requires_grad=True),),  # requires grad
+        (x, torch.randn(5)),  # one more argument
+    ]
+    with torch.inference_mode():
+        other.append((torch.randn(4, 6, 8),))  # an inference tensor (kind taken outside the mode)
+    kinds = [kind(args, {}) for args in other]
+    assert len(set(kinds)) == len(kinds) and kind((x,), {}) not in kinds
+    # Which sizes equal which, across tensors; 0 and 1 are their own, wherever they come.
+    assert kind((x, torch.randn(6)), {}) == kind((torch.randn(3, 7, 5), torch.randn(7)), {})
+    assert kind((x, torch.randn(6)), {}) != kind((x, torch.randn(8)), {})
+    assert kind((torch.randn(1, 3), torch.randn(0)), {}) != kind((torch.randn(0, 3), torch.randn(1)), {})
+    # Modules by type, plain values by value, kwargs whatever their order.
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+    assert kind((a, x), {}) == kind((b, x), {}) != kind((torch.nn.ReLU(), x), {})
+    assert kind((x, 3), {}) != kind((x, 4), {}) and kind((x, "a"), {}) != kind((x, None), {})
+    flags = {"streaming": True, "all_valid": False}
+    assert kind((x,), flags) == kind((x,), dict(reversed(flags.items())))
+    plain = kind((x,), {})
+    with torch.no_grad():
+        assert kind((x,), {}) != plain  # the grad state
+
+
+def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model, fresh_compiles):
     """A GraphedEstimator over an estimator compiled in the background: the buckets captured at the
     start (here padded eager buckets, as on a CPU) are captured again once the compile thread has
     compiled the calls met, and then replay what they did before."""
     import copy
 
-    compiling.reset()
     estimator = copy.deepcopy(tiny_model.flow.decoder.estimator)
     fuse_estimator(estimator, background=True)
     graphed = GraphedEstimator(estimator, row_buckets=(2, 4), frame_buckets=(128,), use_graphs=False)
@@ -111,16 +157,18 @@ def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model)
         assert epoch() > max(before.values())
         assert all(graphed._graphs[key].epoch > e for key, e in before.items())
         assert estimator.forward.ready  # the calls' kinds now run compiled
+        # The buckets of 4 rows were found by the first calls: kept until a lookup; those of 2 are gone.
+        assert graphed._graphs.retired == 2
         for streaming in (False, True):
             torch.testing.assert_close(first[streaming], want[streaming], rtol=1e-4, atol=1e-5)
             again = graphed(x, mask, mu, t, spks, cond, streaming)
             torch.testing.assert_close(again, want[streaming], rtol=1e-4, atol=1e-5)
+        assert graphed._graphs.retired == 0  # no event to wait for on a CPU
 
 
-def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again():
+def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again(fresh_compiles):
     """A slice with gaps and a broadcast axis: the copies keep their strides (a clone would not), so
     the graph compiled on them is the one later calls of that kind pass the guards of."""
-    compiling.reset()
     backend = Recorder()
     fn = deferred(backend)
     w = torch.randn(16, 16) / 4
@@ -147,3 +195,110 @@ def test_a_call_whose_copy_fails_still_runs_and_its_kind_stays_eager():
     for _ in range(2):
         torch.testing.assert_close(fn(x, w), mlp(x, w), rtol=0, atol=0)
     assert fn.failed and not fn.pending and not fn.ready and backend.threads == []
+
+
+class Replays:
+    """A graph as GraphTable sees one: a replay()."""
+
+    def __init__(self):
+        self.count = 0
+
+    def replay(self):
+        self.count += 1
+
+
+class GPU:
+    """A CUDA event's record, query and synchronize on a GPU the test plays: a replay recorded
+    runs until the test ends it (``finish``) or a synchronize waits for it."""
+
+    def __init__(self):
+        self.running = False
+        self.waits = 0
+
+    def record(self):
+        self.running = True
+
+    def query(self) -> bool:
+        return not self.running
+
+    def synchronize(self):
+        self.waits += 1
+        self.running = False
+
+    def finish(self):
+        self.running = False
+
+
+@dataclass
+class Graph(Captured):
+    graph: Replays
+
+
+def captured(epoch_: int = 0) -> tuple[Graph, GPU]:
+    graph = Graph(Replays(), epoch=epoch_)
+    graph.ended = GPU()  # a CUDA graph's event; here the test's
+    return graph, graph.ended
+
+
+def freed(ref: weakref.ref) -> bool:
+    gc.collect()
+    return ref() is None
+
+
+def test_a_replaced_graph_is_freed_at_a_later_lookup_once_its_last_replay_has_ended():
+    table = GraphTable()
+    old, gpu = captured()
+    table.put("k", old)
+    assert table.lookup("k") is old
+    old.replay()
+    ref = weakref.ref(old)
+    del old
+    new, _ = captured(1)
+    table.put("k", new)  # a compile later
+    assert table.retired == 1 and not freed(ref)
+    assert table.lookup("k") is new
+    assert table.retired == 1 and not freed(ref)  # its replay still runs on the GPU
+    gpu.finish()
+    assert table.lookup("other") is None
+    assert table.retired == 0 and freed(ref)
+
+
+def test_a_graph_found_but_not_replayed_yet_stays_until_a_later_lookup():
+    """Replaced between the serving thread's lookup and its replay: nothing recorded on its event
+    yet, so only the next lookup tells that the replay has been launched."""
+    table = GraphTable()
+    old, gpu = captured()
+    table.put("k", old)
+    found = table.lookup("k")
+    ref = weakref.ref(old)
+    del old
+    table.put("k", captured(1)[0])  # another thread, meanwhile
+    assert gpu.query() and table.retired == 1
+    found.replay()  # the serving thread goes on with what it found
+    del found
+    table.lookup("k")
+    assert table.retired == 1 and not freed(ref)  # its replay runs
+    gpu.finish()
+    table.lookup("k")
+    assert freed(ref)
+
+
+def test_a_replaced_graph_no_lookup_found_is_freed_at_once_and_one_per_key_stays_at_most():
+    table = GraphTable()
+    first, first_gpu = captured()
+    table.put("k", first)
+    table.lookup("k").replay()
+    second, second_gpu = captured(1)
+    third = captured(2)[0]
+    refs = [weakref.ref(g) for g in (first, second, third)]
+    table.put("k", second)
+    table.put("k", third)  # before any lookup found the second: it goes, the first stays
+    del first, second, third
+    assert [freed(r) for r in refs] == [False, True, False] and table.retired == 1
+    assert first_gpu.running and first_gpu.waits == 0
+    fourth = captured(3)[0]
+    table.lookup("k").replay()  # the third, found and replaying; the first still running
+    table.put("k", fourth)  # the first's event is waited for, and the first freed
+    assert first_gpu.waits == 1 and [freed(r) for r in refs] == [True, True, False]
+    assert table.retired == 1 and table.older_than(3) == [] and table.older_than(4) == [("k", fourth)]
+    assert not second_gpu.running

@@ -11,7 +11,7 @@ import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
 from cosyapp.engine.build import build_pipeline
-from cosyapp.engine.token2wav import compiled_blocks, compiling
+from cosyapp.engine.token2wav import compiled_blocks
 from cosyapp.engine.token2wav.compiled_blocks import attend_block, compile_blocks, deferred_attend_block
 from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
@@ -115,15 +115,15 @@ def test_the_incremental_path_gives_the_eager_mel_chunk_by_chunk(
         assert_close(got_mel, want_mel)
 
 
-def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_path):
+def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_path, fresh_compiles):
     """The forward: one graph per attention mode, whatever the length; the incremental flow's pieces:
-    one graph (two with the batch-of-one one) for all the blocks, never one per block or length."""
+    one graph (two with the batch-of-one one) for all the blocks, never one per block or length.
+    fresh_compiles: the graphs are shared by every copy of the estimator, so they count from none."""
     graphs = {
         "forward": lambda: compiled_graphs(CausalConditionalDecoder, "forward"),
         "after_attention": lambda: compiled_graphs(TransformerBlock, "after_attention"),
         "finish": lambda: compiled_graphs(CausalBlock1D, "finish"),
     }
-    compiling.reset()  # the graphs are shared by every copy of the estimator: count from none
     with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model, torch.inference_mode():
         for n, seed in ((40, 7), (65, 8)):  # two lengths in each mode
             p = prompt(25, seed=seed)
@@ -143,10 +143,9 @@ def test_one_compiled_graph_per_attention_mode_and_piece(tiny_model_dir, tmp_pat
     assert 1 <= added["after_attention"] <= 2 and 1 <= added["finish"] <= 2, added
 
 
-def test_the_start_compiles_the_mode_no_graph_bucket_captures(tiny_model_dir, tmp_path):
+def test_the_start_compiles_the_mode_no_graph_bucket_captures(tiny_model_dir, tmp_path, fresh_compiles):
     """The worker's start (capture_estimator_graphs) runs a compiled forward without a mask too, so
     calls past the buckets do not compile during a request."""
-    compiling.reset()
     with built_copy(tiny_model_dir, tmp_path, compile_flow=True) as model:
         decoder = model.flow.decoder
         decoder.estimator = GraphedEstimator(decoder.estimator, use_graphs=False)  # as on a GPU
@@ -217,12 +216,13 @@ def test_the_incremental_step_compiled_whole_gives_the_eager_frames(tiny_model):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_block(tiny_model, padded):
+def test_the_compiled_blocks_give_the_eager_frames_with_one_graph_for_every_block(
+    tiny_model, padded, fresh_compiles
+):
     """compiled_blocks.py (--compile-flow with a pool of attention inputs): each transformer block of
     the incremental step through one compiled graph, call by call as eager; a second graph at most,
     for calls whose reads and writes have one size (no past pages yet). padded: the calls padded to
     the CUDA graphs' buckets, as served on a GPU."""
-    compiling.reset()
     assert_compiled_calls_match_eager(tiny_model, 160, lambda runner: compile_blocks(runner.step_fn), padded)
     assert sum(isinstance(m, TransformerBlock) for m in raw_estimator(tiny_model.flow).modules()) > 2
     assert 1 <= compiled_graphs_of(attend_block) <= 2

@@ -66,7 +66,8 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
 
 def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model):
     """--hift-graphs beside a HiFT compiled in the background: a shape captured before its Snakes were
-    compiled is captured again at its first call after the compiles (CPU: the padded eager graphs)."""
+    compiled is captured again at its first call after the compiles (CPU: the padded eager graphs),
+    and the old one freed."""
     hift = copy.deepcopy(tiny_model.hift)
     runner = HiFTRunner(hift, graphs=True, capture=False)
     mel = torch.randn(2, 80, 36, generator=torch.Generator().manual_seed(1)) - 5
@@ -84,6 +85,7 @@ def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model)
         assert COMPILER.wait(timeout_s=600) and epoch() > graph.epoch
         again = call()
     assert runner._graphs[key].epoch == epoch() and runner._graphs[key] is not graph
+    assert runner._graphs.retired == 0  # the replaced graph is freed: its call found the new one
     for got in (*first, again):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 

@@ -10,10 +10,12 @@ thread, which calls the compiled function on them. Once that has returned, calls
 compiled. So a server starts and serves at once, eagerly, and its flow turns compiled within
 minutes; from inductor's cache (kept under the serving cache folder) within seconds.
 
-The CUDA graphs of the flow (graphs.py, incremental_graphs.py) replay what their capture ran. Each
-captured graph keeps the ``epoch`` it was captured in; when the compile thread's queue runs dry after
-compiling, the epoch moves on and it calls each registered ``recapture`` hook, which captures the
-older graphs again (in place of the old, which serve until then), so they replay compiled kernels.
+The CUDA graphs of the flow and HiFT (graphs.py, incremental_graphs.py, hift_graphs.py) replay what
+their capture ran. Each is kept in a ``GraphTable`` as a ``Captured`` with the ``epoch`` it was
+captured in; when the compile thread's queue runs dry after compiling, the epoch moves on and it
+calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its owner captures it
+again (the hook, or the next call that meets it), in place of the old, which serves until then and
+is freed once no replay can use it, so the graphs replay compiled kernels.
 
 Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
 the compile thread compiles it, and the compiled graph then serves every copy of the module
@@ -26,12 +28,13 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 import torch._dynamo.callback
-from torch import Tensor, nn
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 THREAD = "flow-compile"
@@ -41,31 +44,47 @@ def kind(args: tuple, kwargs: dict) -> tuple:
     """What tells one compiled graph of a ``dynamic=True`` compile from another, as far as the call
     shows it: each tensor's dtype, device, rank, sizes of 0 and 1 (specialised), contiguity, order
     of strides, whether it is an inference tensor and requires grad; which sizes equal which; each
-    module's type; the plain values; the autocast and grad state of the tensors' device."""
-
-    def describe(a):
-        if isinstance(a, Tensor):
-            order = sorted(range(a.dim()), key=lambda d: -a.stride(d))  # the layout, up to gaps
-            sizes = tuple(min(s, 2) for s in a.shape)
-            layout = (a.is_contiguous(), tuple(order), a.is_inference(), a.requires_grad)
-            return ("tensor", a.dtype, a.device.type, sizes, *layout)
-        if isinstance(a, nn.Module):
-            return ("module", type(a))
-        if a is None or isinstance(a, (bool, int, float, str)):
-            return a
-        return type(a)
-
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    device = tensors[0].device.type if tensors else "cpu"
+    module's type; the plain values; the autocast and grad state of the tensors' device. Written
+    for speed: every call of a compiled function pays for it (hundreds per incremental flow call)."""
+    sizes: list[int] = []
+    described = [_describe(a, sizes) for a in args]
+    named = [(k, _describe(v, sizes)) for k, v in kwargs.items()]
+    # The first tensor's device type: a tensor's description is the one tuple, its device second.
+    for d in described:
+        if type(d) is tuple:
+            device = d[1]
+            break
+    else:
+        device = next((d[1] for _, d in named if type(d) is tuple), "cpu")
     # Dynamo gives sizes that are equal one symbol and guards on that (duck sizing): which sizes past
-    # 1 equal an earlier one is part of the kind (the incremental step's reads and writes have equal
-    # lengths when a stream has no past pages yet).
-    first: dict[int, int] = {}
-    sizes = [s for t in tensors for s in t.shape]
-    equal = tuple(first.setdefault(s, i) if s > 1 else -1 for i, s in enumerate(sizes))
+    # 1 equal which is part of the kind (the incremental step's reads and writes have equal lengths
+    # when a stream has no past pages yet), with those of 0 and 1. Each size as 0 -> -2, 1 -> -1, and
+    # the others numbered from 2 in the order they first come in.
+    first = {0: -2, 1: -1}
+    equal = tuple([first.setdefault(s, len(first)) for s in sizes])
     autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
     state = (device, *autocast, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-    return (*map(describe, args), *sorted((k, describe(v)) for k, v in kwargs.items()), equal, state)
+    return (*described, *sorted(named), equal, state)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _describe(a, sizes: list[int]) -> object:
+    """A plain value as it is; a tensor as a tuple, its sizes added to ``sizes``; anything else (a
+    module) by its type, which no other kind of object has. A tensor's order of strides (ties in
+    axis order: the layout, up to gaps) is its rank alone where they never increase (contiguous,
+    and most views), as sorting takes longer."""
+    if not isinstance(a, Tensor):
+        return a if isinstance(a, _PLAIN) else type(a)
+    shape, strides = a.shape, a.stride()
+    sizes += shape
+    if len(strides) < 2 or list(strides) == sorted(strides, reverse=True):
+        order = len(strides)
+    else:  # sorted by stride, largest first; reverse keeps ties in axis order
+        order = tuple(sorted(range(len(strides)), key=strides.__getitem__, reverse=True))
+    device = "cuda" if a.is_cuda else "cpu" if a.is_cpu else a.device.type  # .device takes longer
+    return (a.dtype, device, order, a.is_contiguous(), a.is_inference(), a.requires_grad)
 
 
 def clone_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -103,7 +122,6 @@ class Deferred:
         self.ready: set[tuple] = set()
         self.pending: set[tuple] = set()
         self.failed: set[tuple] = set()
-        _ALL.add(self)
 
     def __call__(self, *args, **kwargs):
         # Traced inside another compiled function: inline the eager one. (is_compiling would not do:
@@ -123,19 +141,6 @@ class Deferred:
                 self.pending.add(key)
                 COMPILER.submit(request)
         return self.eager(*args, **kwargs)
-
-
-_ALL: "weakref.WeakSet[Deferred]" = weakref.WeakSet()
-
-
-def reset() -> None:
-    """torch._dynamo.reset(), and every Deferred forgets what it had compiled, so its next call of each
-    kind goes to the compile thread again rather than compiling where it is made. For tests, which
-    count graphs from none."""
-    torch._dynamo.reset()
-    for fn in list(_ALL):
-        fn.ready.clear()
-        fn.failed.clear()
 
 
 def _capturing() -> bool:
@@ -279,3 +284,113 @@ COMPILER = _CompileThread()
 def epoch() -> int:
     """The compile thread's epoch: a graph captured in an earlier one may replay eager kernels."""
     return COMPILER.epoch
+
+
+@dataclass(kw_only=True)
+class Captured:
+    """What a GraphTable holds: its subclass's ``graph`` (a CUDA graph, or None where the call runs
+    eagerly) and the compile epoch it was captured in, read before the capture ran anything (a
+    compile that ends meanwhile leaves the graph stale)."""
+
+    epoch: int
+    # A CUDA graph's: recorded after each replay, on the stream it ran on (GraphTable frees by it).
+    ended: "torch.cuda.Event | None" = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(getattr(self, "graph", None), torch.cuda.CUDAGraph):
+            self.ended = torch.cuda.Event()
+
+    @property
+    def stale(self) -> bool:
+        """Captured before the compile thread's latest compiles: it may replay eager kernels."""
+        return self.epoch < COMPILER.epoch
+
+    def replay(self) -> None:
+        self.graph.replay()
+        if self.ended is not None:
+            self.ended.record()
+
+
+C = TypeVar("C", bound=Captured)
+
+
+class GraphTable(Generic[C]):
+    """An owner's captured graphs by key (graphs.py, hift_graphs.py, incremental_graphs.py). A graph
+    is captured again once stale (``Captured.stale``, ``older_than``), on whichever thread its owner
+    captures, and ``put`` in place of the old one, which is freed once no replay can use it.
+
+    One thread at a time serves the owner's calls, on a CUDA stream of its own (worker.py): it finds
+    each graph it replays by a ``lookup`` (a graph it has just captured too) and replays it before
+    its next lookup. Lookups and puts hold one lock: a lookup is wholly before a put, and may find
+    the old graph, or wholly after it, and finds the new one. So a replaced graph that a lookup found
+    is safe to free once (1) a later lookup has started: the serving thread has launched every
+    replay of it, and none will find it again; and (2) its ``ended`` event has passed: its last
+    replay, and with it every earlier one on that stream, has finished on the GPU, so no kernel
+    reads its memory any more (its outputs' blocks go back to the shared pool, where a later capture
+    may take them). Lookups free such graphs, as (1) holds then. A replaced graph no lookup found is
+    freed at once. At most one replaced graph per key stays: when another replaces the one that
+    replaced it, which a lookup found after the put (else it goes at once), (1) holds for the older,
+    and the putting thread waits for its event."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._graphs: dict[Hashable, C] = {}
+        self._found: set[Hashable] = set()  # keys whose graph a lookup has found since its put
+        self._retired: dict[Hashable, C] = {}  # replaced, found by a lookup, maybe still replaying
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter([key for key, _ in self.items()])
+
+    def __getitem__(self, key: Hashable) -> C:
+        return self._graphs[key]
+
+    def items(self) -> list[tuple[Hashable, C]]:
+        with self._lock:
+            return list(self._graphs.items())
+
+    @property
+    def retired(self) -> int:
+        """Replaced graphs not freed yet."""
+        return len(self._retired)
+
+    def lookup(self, key: Hashable) -> C | None:
+        """The graph a call of ``key`` replays, or None where none is captured. The serving thread's
+        only way to a graph; it frees the replaced graphs whose last replay has ended."""
+        with self._lock:
+            if self._retired:
+                for old in [k for k, g in self._retired.items() if g.ended is None or g.ended.query()]:
+                    del self._retired[old]
+            graph = self._graphs.get(key)
+            if graph is not None:
+                self._found.add(key)
+            return graph
+
+    def older_than(self, epoch: int) -> list[tuple[Hashable, C]]:
+        """The graphs captured before ``epoch``, to capture again."""
+        return [(key, graph) for key, graph in self.items() if graph.epoch < epoch]
+
+    def put(self, key: Hashable, graph: C) -> None:
+        """``graph`` in place of ``key``'s, if any: that one is kept while a replay may use it."""
+        older = None
+        with self._lock:
+            old = self._graphs.get(key)
+            self._graphs[key] = graph
+            if old is not None and key in self._found:
+                self._found.discard(key)
+                older = self._retired.pop(key, None)
+                self._retired[key] = old
+        if older is not None and older.ended is not None:
+            older.ended.synchronize()  # its last replay, launched before a lookup found ``old``
+
+    def clear(self) -> None:
+        """Drop every graph (their owner is stopped for good: none replays any more)."""
+        with self._lock:
+            self._graphs.clear()
+            self._found.clear()
+            self._retired.clear()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.compiling import COMPILER, epoch
+from cosyapp.engine.token2wav.compiling import COMPILER, Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
 from cosyapp.models.flow_estimator import autocast_dtype
 
@@ -41,11 +41,10 @@ MAX_CELLS = 16384
 
 
 @dataclass
-class _Captured:
+class _Captured(Captured):
     graph: torch.cuda.CUDAGraph | None  # None: pad and run eagerly (CPU, or to check the padding)
     inputs: tuple[Tensor, ...]  # x, mask, mu, t, spks, cond at the bucket's shape
     output: Tensor
-    epoch: int  # the compile thread's when captured (compiling.py)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -94,9 +93,8 @@ class GraphedEstimator(nn.Module):
         self.frame_buckets = frame_buckets
         self.max_cells = max_cells
         self.use_graphs = use_graphs
-        self._graphs: dict[tuple, _Captured] = {}
+        self._graphs: GraphTable[_Captured] = GraphTable()
         self._pool = None
-        self._retired: list = []  # replaced after a compile (compiling.py): never freed mid-replay
         self._capturing = threading.Lock()  # one capture at a time: the flow's start, the compile thread
         if in_background(estimator):  # --compile-flow: replay the compiled kernels once compiled
             COMPILER.on_epoch(self.recapture_stale)
@@ -127,11 +125,14 @@ class GraphedEstimator(nn.Module):
             return self.estimator(x, mask, mu, t, spks, cond, streaming, all_valid)
         # A bucket pads frames and rows, so its graph always runs with the attention mask.
         key = (*shape, streaming, x.dtype, autocast_dtype(x.device), x.device)
-        captured = self._graphs.get(key) or self._capture(key, (x, mask, mu, t, spks, cond), streaming)
+        captured = self._graphs.lookup(key)
+        if captured is None:  # captured, then found by a lookup like every graph replayed (GraphTable)
+            self._capture(key, (x, mask, mu, t, spks, cond), streaming)
+            captured = self._graphs.lookup(key)
         _fill(captured.inputs, (x, mask, mu, t, spks, cond))
         if captured.graph is None:
             return self.estimator(*captured.inputs, streaming)[:rows, :, :frames]
-        captured.graph.replay()
+        captured.replay()
         return captured.output[:rows, :, :frames].clone()
 
     def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
@@ -151,7 +152,7 @@ class GraphedEstimator(nn.Module):
         compile thread has compiled since (compiling.py); the old graph serves until the new one
         replaces it. Runs on the compile thread: only the flow thread replays, and a capture runs
         nothing, so the shared memory pool is never in use by two graphs at once. Returns the count."""
-        stale = [(key, c) for key, c in list(self._graphs.items()) if c.epoch < epoch]
+        stale = self._graphs.older_than(epoch)
         for key, captured in stale:
             autocast = key[4]
             device = captured.inputs[0].device
@@ -164,17 +165,17 @@ class GraphedEstimator(nn.Module):
             log.info("captured %d flow estimator graphs again with the compiled flow", len(stale))
         return len(stale)
 
-    def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
+    def _capture(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> None:
         with self._capturing:
-            return self._capture_now(key, like, streaming)
+            self._capture_now(key, like, streaming)
 
-    def _capture_now(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> _Captured:
+    def _capture_now(self, key: tuple, like: tuple[Tensor, ...], streaming: bool) -> None:
         rows, frames = key[0], key[1]
         x, mask, mu, t, spks, cond = like
         inputs = _blank_inputs(rows, frames, x.size(1), x.device, x.dtype, mu.size(1), cond.size(1))
         now = epoch()  # before running anything: a compile ending during the capture makes it stale
         if not (self.use_graphs and x.is_cuda):
-            captured = _Captured(None, inputs, inputs[0], now)
+            captured = _Captured(None, inputs, inputs[0], epoch=now)
         else:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(x.device)
@@ -186,11 +187,8 @@ class GraphedEstimator(nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.estimator(*inputs, streaming)
-            captured = _Captured(graph, inputs, output, now)
-        if key in self._graphs:  # captured again after a compile: the flow thread may be replaying it
-            self._retired.append(self._graphs[key])
-        self._graphs[key] = captured
-        return captured
+            captured = _Captured(graph, inputs, output, epoch=now)
+        self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
 
 
 def _blank_inputs(

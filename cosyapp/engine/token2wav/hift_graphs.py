@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.graphs import bucket, capture_graph
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
 
@@ -42,14 +42,13 @@ MAX_CELLS = 16384
 
 
 @dataclass
-class _Graph:
+class _Graph(Captured):
     graph: torch.cuda.CUDAGraph | None  # None: padded and run eagerly (``capture=False``)
     mel: Tensor  # (bucket, 80, frames)
     cache: Tensor | None  # (bucket, 1, cached samples)
     noise: SourceNoise  # at the bucket's batch
     speech: Tensor
     source: Tensor
-    epoch: int  # the compile thread's when captured (compiling.py)
 
 
 class HiFTRunner:
@@ -71,11 +70,10 @@ class HiFTRunner:
         self.max_cells = max_cells
         self.capture = capture
         self.max_graphs = max_graphs
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: GraphTable[_Graph] = GraphTable()
         self._eager: set[tuple] = set()  # shapes whose capture failed
         self._met: Counter[tuple] = Counter()  # calls per shape not captured yet
         self._pool = None
-        self._retired: list[_Graph] = []
         self.captures = 0
         self.capture_seconds = 0.0
         self.replays = 0
@@ -84,19 +82,10 @@ class HiFTRunner:
         self, mel: Tensor, cache: Tensor | None, generators: Sequence[torch.Generator]
     ) -> tuple[Tensor, Tensor]:
         key = self._key(mel, cache)
-        graph = None if key is None else self._graphs.get(key)
-        if graph is not None and graph.epoch < epoch() and key not in self._eager:
-            graph = self._capture(key, mel, cache) or graph  # captured before a compile: again
-        if (
-            graph is None
-            and key is not None
-            and key not in self._eager
-            and len(self._graphs) < self.max_graphs
-        ):
-            self._met[key] += 1
-            if self._met[key] >= CAPTURE_AT:
-                del self._met[key]
-                graph = self._capture(key, mel, cache)
+        graph = None if key is None else self._graphs.lookup(key)
+        due = key is not None and key not in self._eager and self._due(key, graph)
+        if due and self._capture(key, mel, cache):  # then found by a lookup (GraphTable)
+            graph = self._graphs.lookup(key)
         if graph is None:
             return self.hift(mel, cache, generators=generators)
         batch = mel.size(0)
@@ -107,13 +96,26 @@ class HiFTRunner:
         for name in ("phases", "sines", "spare"):
             getattr(graph.noise, name)[:batch].copy_(getattr(noise, name))
         if graph.graph is not None:
-            graph.graph.replay()
+            graph.replay()
         else:
             speech, source = self.hift(graph.mel, graph.cache, noise=graph.noise)
             graph.speech.copy_(speech)
             graph.source.copy_(source)
         self.replays += 1
         return graph.speech[:batch].clone(), graph.source[:batch].clone()
+
+    def _due(self, key: tuple, graph: _Graph | None) -> bool:
+        """Whether this call captures ``key``: its graph was captured before a compile, or it has
+        none and this is its CAPTURE_AT-th call (while fewer than max_graphs are held)."""
+        if graph is not None:
+            return graph.stale
+        if len(self._graphs) >= self.max_graphs:
+            return False
+        self._met[key] += 1
+        if self._met[key] < CAPTURE_AT:
+            return False
+        del self._met[key]
+        return True
 
     def _key(self, mel: Tensor, cache: Tensor | None) -> tuple | None:
         """The graph a call replays: None for calls that run eagerly (off CUDA, or too many rows)."""
@@ -125,7 +127,8 @@ class HiFTRunner:
         cached = 0 if cache is None or cache.size(2) == 0 else cache.size(2)
         return rows, mel.size(1), mel.size(2), cached, mel.dtype
 
-    def _capture(self, key: tuple, mel: Tensor, cache: Tensor | None) -> _Graph | None:
+    def _capture(self, key: tuple, mel: Tensor, cache: Tensor | None) -> bool:
+        """Capture ``key``'s graph, in place of any it has; False where that failed (it runs eagerly)."""
         rows, channels, frames, cached, dtype = key
         dev = mel.device
         started = time.perf_counter()
@@ -142,8 +145,10 @@ class HiFTRunner:
             now = epoch()  # before running anything: a compile ending during the capture makes it stale
             if not self.capture:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
-                self._graphs[key] = _Graph(None, static_mel, static_cache, noise, speech, source, now)
-                return self._graphs[key]
+                self._graphs.put(
+                    key, _Graph(None, static_mel, static_cache, noise, speech, source, epoch=now)
+                )
+                return True
             # cuDNN and cuFFT pick and cache their plans in the runs before the capture
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph, (speech, source) = capture_graph(
@@ -153,13 +158,11 @@ class HiFTRunner:
         except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
             log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
             self._eager.add(key)
-            return None
+            return False
         finally:
             self.capture_seconds += time.perf_counter() - started
         self.captures += 1
-        captured = _Graph(graph, static_mel, static_cache, noise, speech, source, now)
-        if key in self._graphs:  # replaced after a compile (compiling.py): never freed mid-replay
-            self._retired.append(self._graphs[key])
-        self._graphs[key] = captured
+        captured = _Graph(graph, static_mel, static_cache, noise, speech, source, epoch=now)
+        self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
         log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
-        return captured
+        return True

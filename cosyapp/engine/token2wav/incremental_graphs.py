@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
 from cosyapp.models.flow_estimator import autocast_dtype
 
@@ -22,12 +22,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Graph:
+class _Graph(Captured):
     graph: torch.cuda.CUDAGraph
     inputs: CallInputs
     x: Tensor
     tails: Tensor
-    epoch: int  # the compile thread's when captured (compiling.py)
 
 
 class IncrementalGraphs:
@@ -45,13 +44,12 @@ class IncrementalGraphs:
     def __init__(self, step_fn: IncrementalEstimator, pool: "KVPool", cfg_rate: float, defer: bool = True):
         self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
         self.defer = defer
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: GraphTable[_Graph] = GraphTable()
         # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
         self._missed: dict[tuple, tuple[CallInputs, torch.cuda.Event]] = {}
         self._lock = threading.Lock()  # the flow thread adds to _missed, the capture thread takes
         self._eager: set[tuple] = set()  # buckets whose capture failed
         self._pool = None
-        self._retired: list = []  # replaced after a compile (compiling.py): never freed mid-replay
         self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
         self.captures = 0  # deferred captures done (or failed)
         self.capture_seconds = 0.0
@@ -71,16 +69,18 @@ class IncrementalGraphs:
             inputs.tails.dtype,
             autocast_dtype(inputs.x.device),
         )
-        graph = self._graphs.get(key)
+        graph = self._graphs.lookup(key)
         if graph is None and (self.defer or key in self._eager):
             self._miss(key, inputs)
             self.eager_calls += 1
             return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
-        graph = graph or self._capture(key, inputs)
-        if graph.epoch < epoch():  # captured before a compile (compiling.py): capture it again
+        if graph is None:  # captured, then found by a lookup like every graph replayed (GraphTable)
+            self._capture(key, inputs)
+            graph = self._graphs.lookup(key)
+        if graph.stale:  # captured before a compile (compiling.py): capture it again
             self._miss(key, inputs)
         graph.inputs.copy_(inputs)
-        graph.graph.replay()
+        graph.replay()
         return graph.x.clone(), graph.tails.clone()
 
     def _miss(self, key: tuple, inputs: CallInputs) -> None:
@@ -101,7 +101,6 @@ class IncrementalGraphs:
         """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
         with self._lock:
             self._graphs.clear()
-            self._retired.clear()
             self._missed.clear()
 
     def capture_missed(self) -> bool:
@@ -132,7 +131,7 @@ class IncrementalGraphs:
             log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return True
 
-    def _capture(self, key: tuple, like: CallInputs) -> _Graph:
+    def _capture(self, key: tuple, like: CallInputs) -> None:
         static = like.empty_like()
         static.copy_(like)
         dev = like.x.device
@@ -151,8 +150,5 @@ class IncrementalGraphs:
             x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
-        captured = _Graph(graph, static, x, tails, now)
-        if key in self._graphs:  # captured again after a compile: the flow thread may be replaying it
-            self._retired.append(self._graphs[key])
-        self._graphs[key] = captured
-        return captured
+        # After a compile: in place of the old, which the flow thread may be replaying (compiling.py).
+        self._graphs.put(key, _Graph(graph, static, x, tails, epoch=now))
