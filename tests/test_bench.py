@@ -28,7 +28,6 @@ NOT_ON_GPU_MACHINE = (
     "uvicorn",
     "fastapi",
     "starlette",
-    "httpx",
     "soundfile",
     "librosa",
 )

@@ -36,7 +36,6 @@ MODES = ("stream", "whole")
 # as the last variant of a run without --compile-flow. compile_hift and flow_dtype are not among
 # them: they change the model's HiFT or flow in place, with no way back or forth.
 VARIANT_FIELDS = (
-    "compile_flow",
     "first_hop",
     "flow_cache_gb",
     "chunked_final",
@@ -47,6 +46,7 @@ VARIANT_FIELDS = (
     "token2wav_priority",
     "hift_graphs",
     "text_lanes",
+    "compile_flow",
 )
 SMOKE = {
     "clients": "1,2",
