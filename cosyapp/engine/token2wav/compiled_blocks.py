@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyapp.engine.token2wav import turns
 from cosyapp.engine.token2wav.compiling import Deferred, same_strides
 from cosyapp.engine.token2wav.writes import put_rows
 from cosyapp.models.flow_estimator import TransformerBlock, autocast_dtype
@@ -70,7 +71,7 @@ def attend_block(
 @functools.cache
 def compiled_attend_block(mode: str | None = None):
     """attend_block compiled with dynamic shapes (one per torch.compile mode)."""
-    return torch.compile(attend_block, dynamic=True, mode=mode)
+    return turns.compile(attend_block, mode)
 
 
 def compile_blocks(

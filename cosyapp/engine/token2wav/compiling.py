@@ -36,8 +36,10 @@ import torch
 import torch._dynamo.callback
 from torch import Tensor
 
+from cosyapp.engine.token2wav.turns import COMPILE_THREAD as THREAD
+from cosyapp.engine.token2wav.turns import TURNS
+
 log = logging.getLogger(__name__)
-THREAD = "flow-compile"
 
 
 def kind(args: tuple, kwargs: dict) -> tuple:
@@ -250,7 +252,8 @@ class _CompileThread:
                 with torch.autocast(device, dtype=dtype, enabled=enabled):
                     fn.compiled(*request.args, **request.kwargs)
                 if device == "cuda":
-                    torch.cuda.current_stream().synchronize()
+                    with TURNS.run():  # as the compiled runs (turns.py)
+                        torch.cuda.current_stream().synchronize()
             fn.ready.add(request.key)
             log.info("compiled %s in %.1f s (on the compile thread)", fn.name, time.perf_counter() - started)
         except Exception:  # that kind runs eagerly from now on; serving goes on

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cosyapp.engine.token2wav import turns
 from cosyapp.engine.token2wav.compiling import Deferred
 from cosyapp.models.flow_estimator import CausalBlock1D, CausalConditionalDecoder, TransformerBlock
 from cosyapp.models.hift import HiFTGenerator, Snake, snake
@@ -37,7 +38,7 @@ PIECES = ((TransformerBlock, "after_attention"), (CausalBlock1D, "finish"))
 
 @functools.cache
 def _compiled(cls: type, name: str, mode: str | None):
-    return torch.compile(getattr(cls, name), dynamic=True, mode=mode)
+    return turns.compile(getattr(cls, name), mode)
 
 
 def fuse_estimator(
@@ -69,7 +70,7 @@ def fuse_estimator(
                 setattr(module, name, functools.partial(piece, module))
     # An instance attribute again: nn.Module's call runs it in place of the class's forward.
     eager = type(estimator).forward.__get__(estimator)
-    compiled = functools.partial(_contiguous_call, torch.compile(eager, dynamic=True, mode=mode))
+    compiled = functools.partial(_contiguous_call, turns.compile(eager, mode))
     estimator.forward = Deferred("the flow estimator", eager, compiled) if background else compiled
 
 
@@ -127,7 +128,7 @@ def fuse_hift(
 
 @functools.cache
 def _compiled_snake(mode: str | None):
-    return torch.compile(snake, dynamic=True, mode=mode)
+    return turns.compile(snake, mode)
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from cosyapp.engine.token2wav.compiling import COMPILER, Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
+from cosyapp.engine.token2wav.turns import graph_capture
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def capture_graph(call: Callable[[], T], device: torch.device, pool) -> tuple[to
             call()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with graph_capture(graph, pool):
         output = call()
     return graph, output
 
@@ -185,7 +186,7 @@ class GraphedEstimator(nn.Module):
                     self.estimator(*inputs, streaming)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with graph_capture(graph, self._pool):
                 output = self.estimator(*inputs, streaming)
             captured = _Captured(graph, inputs, output, epoch=now)
         self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
+from cosyapp.engine.token2wav.turns import graph_capture
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class IncrementalGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with graph_capture(graph, self._pool):
             x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()

@@ -1,0 +1,100 @@
+"""CUDA graph captures and the compile thread's compiled calls take turns on the GPU.
+
+A compiled graph's first run tunes its Triton kernels: inductor times each candidate launch and
+synchronises the device between them. A device-wide synchronise while any stream is being
+captured is an error for both sides: the capture is invalidated and the synchronise fails (seen on
+an H100: the compile thread's first forward run broke the start's capture of a flow bucket, and the
+process aborted; docs/benchmarks/README.md, "Compiling while serving, on a GPU"). Captures are
+thread-local otherwise, so other threads' launches do not disturb them.
+
+So the compile thread (compiling.py) runs compiled graphs only while no capture is in progress, and
+a capture starts only while the compile thread runs none. Compiling itself, the long part, runs
+beside captures: the turn is taken around each run of a compiled graph, inside the backend that
+``compile`` gives torch.compile, and only on the compile thread. A serving thread's compiled calls,
+which may be part of its own capture, take no turn (their kernels were tuned on the compile thread,
+whose call of each kind comes first). Captures wait for at most one compiled run (about a second);
+the compile thread waits for the captures in progress.
+"""
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+COMPILE_THREAD = "flow-compile"
+
+
+class Turns:
+    """Captures (any number at once, on any threads) against the compile thread's compiled runs."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._captures = 0
+        self._running = 0  # the compile thread's runs (nested runs count each)
+        self.waiting_runs = 0  # compiled runs waiting for captures to end (tests read it)
+
+    @contextlib.contextmanager
+    def capture(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._running == 0)
+            self._captures += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._captures -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def run(self):
+        with self._cond:
+            if self._running == 0:
+                self.waiting_runs += 1
+                self._cond.wait_for(lambda: self._captures == 0)
+                self.waiting_runs -= 1
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+
+TURNS = Turns()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool)``, thread-local, in its turn (see the module docstring)."""
+    with TURNS.capture(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
+
+
+def on_compile_thread() -> bool:
+    return threading.current_thread().name == COMPILE_THREAD
+
+
+def _taking_turns(compiled):
+    """``compiled`` (a graph inductor made), each of its runs on the compile thread in its turn."""
+
+    def run(*args, **kwargs):
+        if not on_compile_thread():
+            return compiled(*args, **kwargs)
+        with TURNS.run():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+class _Inductor(torch._TorchCompileInductorWrapper):
+    """torch.compile's inductor backend, its graphs run in turns (``_taking_turns``)."""
+
+    def __call__(self, model_, inputs_, **kwargs):
+        return _taking_turns(super().__call__(model_, inputs_, **kwargs))
+
+
+def compile(fn, mode: str | None = None):
+    """``torch.compile(fn, dynamic=True, mode=mode)`` whose compiled graphs take their turns."""
+    return torch.compile(fn, dynamic=True, backend=_Inductor(mode, None, True))

@@ -1,0 +1,73 @@
+"""turns.py: the compile thread runs compiled graphs only while no CUDA graph is being captured, and
+a capture starts only while it runs none; compiling itself goes on beside captures. On the CPU the
+capture side is the turn alone (no CUDA graph); the compiled side is a real inductor compile."""
+
+import threading
+import time
+
+import torch
+
+from cosyapp.engine.token2wav import turns
+from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, kind
+from cosyapp.engine.token2wav.turns import TURNS
+
+
+def scaled_gelu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ w) * 0.5 + x
+
+
+def wait_for(condition, timeout_s: float = 300.0) -> bool:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_compile_threads_first_run_waits_for_a_capture_in_progress(fresh_compiles):
+    fn = Deferred("scaled gelu", scaled_gelu, turns.compile(scaled_gelu))
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    key = kind((x, w), {})
+    with TURNS.capture():
+        # Eager meanwhile; the compile thread compiles, then waits at its graph's first run.
+        torch.testing.assert_close(fn(x, w), scaled_gelu(x, w), rtol=0, atol=0)
+        assert wait_for(lambda: TURNS.waiting_runs == 1), "the compile never reached its first run"
+        time.sleep(0.2)
+        assert key not in fn.ready and not COMPILER.settled  # still waiting for the capture
+    assert COMPILER.wait(timeout_s=120)
+    assert key in fn.ready and TURNS.waiting_runs == 0
+    torch.testing.assert_close(fn(x, w), scaled_gelu(x, w), rtol=1e-5, atol=1e-6)  # compiled now
+
+
+def test_a_capture_waits_for_the_compile_threads_run_and_serving_threads_take_no_turn():
+    entered = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def compile_thread_run():
+        with TURNS.run():
+            entered.set()
+            release.wait(10)
+            order.append("run ended")
+
+    runner = threading.Thread(target=compile_thread_run, name=turns.COMPILE_THREAD)
+    runner.start()
+    assert entered.wait(10)
+
+    def capture():
+        with TURNS.capture():
+            order.append("capture began")
+
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    time.sleep(0.2)
+    assert order == []  # the capture waits for the run
+    # A compiled graph called on a serving thread (here, this one) runs at once, in a run's turn or not.
+    calls = []
+    turns._taking_turns(lambda *a: calls.append(a))(1, 2)
+    assert calls == [(1, 2)]
+    release.set()
+    runner.join(10)
+    capturer.join(10)
+    assert order == ["run ended", "capture began"]
