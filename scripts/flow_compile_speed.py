@@ -10,10 +10,11 @@ difference compiled against eager (fp16), and the first calls' time, which holds
 (inductor's cache starts empty unless TORCHINDUCTOR_CACHE_DIR is set).
 
 FLOW_CACHE_COMPILE_SCOPE: serve (default; what --compile-flow compiles, engine/token2wav/fused.py:
-the estimator's forward whole, its pieces for the incremental flow, and with FLOW_CACHE_INPUTS=1,
-the pool served by default, the incremental step's transformer blocks, compiled_blocks.py) or step:
-the forward whole and the incremental flow's step whole too (pool reads and writes included,
-docs/model.md §8.7; on an H100 its graph did not finish compiling in 7 minutes).
+the estimator's forward whole and its pieces for the incremental flow), blocks (the same, the
+incremental step's transformer blocks compiled whole too, compiled_blocks.py, which needs
+FLOW_CACHE_INPUTS=1; measured slower than eager on an H100, not served) or step: the forward whole
+and the incremental flow's step whole too (pool reads and writes included, docs/model.md §8.7; on
+an H100 its graph did not finish compiling in 7 minutes).
 FLOW_CACHE_COMPILE_MODE=max-autotune-no-cudagraphs: compile in that torch.compile mode (matrix
 products as autotuned Triton templates with the pointwise work after them fused in, where faster).
 FLOW_CACHE_INPUTS=1, FLOW_CACHE_SMOKE=1: as flow_cache_speed.py.
@@ -45,6 +46,7 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
     whole_clip,
 )
 
+from cosyapp.engine.token2wav.compiled_blocks import compile_blocks  # noqa: E402
 from cosyapp.engine.token2wav.flow_cache import IncrementalFlow, raw_estimator  # noqa: E402
 from cosyapp.engine.token2wav.fused import fuse_estimator, use_cache_dir  # noqa: E402
 from cosyapp.engine.token2wav.graphs import GraphedEstimator  # noqa: E402
@@ -122,6 +124,8 @@ def compare_incremental(flow, eager, compiled, v, tokens, calls, batch: int, emi
     }
     if COMPILE_SCOPE == "step":
         compile_step(runners["compiled"])
+    if COMPILE_SCOPE == "blocks":
+        compile_blocks(runners["compiled"].step_fn, mode=COMPILE_MODE)
     first_s, timings, frames, unreplayed = {}, {}, {}, {}
     for name, runner in runners.items():
         started = time.perf_counter()

@@ -5,6 +5,7 @@
 # NAME: precompile (--compile-flow's forward graphs compiled and captured as an engine's start does,
 # timed; the kernels stay in /tmp/inductor, where scripts/gpu-bench.sh's engine then finds them),
 # serve (--compile-flow against eager, both flow paths, the attention-inputs pool as served),
+# blocks (the same with the incremental step's transformer blocks compiled whole, not served),
 # step (the incremental step and the whole-clip forward compiled whole, against eager),
 # step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
@@ -17,12 +18,14 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
 if [ -f .gpu-carry/inductor.tgz ]; then tar xzf .gpu-carry/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"; fi
-name=${1:?an experiment: precompile, serve, step, step-autotune, whole or hift}
+name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole or hift}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward
 case "$name" in
 precompile) run=(python scripts/flow_precompile.py "$OUT/$name.json") ;;
 serve) run=(env FLOW_CACHE_INPUTS=1 FLOW_CACHE_BATCHES=16,64
+    python scripts/flow_compile_speed.py "$OUT/$name.json") ;;
+blocks) run=(env FLOW_CACHE_INPUTS=1 FLOW_CACHE_BATCHES=16,64 FLOW_CACHE_COMPILE_SCOPE=blocks
     python scripts/flow_compile_speed.py "$OUT/$name.json") ;;
 step) run=(env FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=1,16,64
     python scripts/flow_compile_speed.py "$OUT/$name.json") ;;

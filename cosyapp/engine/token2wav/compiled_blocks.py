@@ -1,6 +1,8 @@
 """The incremental flow's transformer blocks, each run as one graph compiled by torch.compile, one
-graph for all 56: with ``--compile-flow`` where the pool keeps attention inputs (the default;
-IncrementalFlow sets it up). Not yet measured on a GPU (scripts/flow_compile_speed.py).
+graph for all 56, where the pool keeps attention inputs (the default). Not served: on an H100 the
+step's calls with their blocks compiled took 0.89-0.97x of eager's time (docs/benchmarks/README.md,
+"Compiling while serving, on a GPU"), so ``--compile-flow`` compiles the step's pieces (fused.py).
+Kept to measure it again (scripts/flow_compile_speed.py, FLOW_CACHE_COMPILE_SCOPE=blocks).
 
 Compiling the incremental step whole fuses everything, but on an H100 its first graph had not
 finished compiling after 7 minutes (docs/model.md §8.7); compiling only the pieces the step calls

@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiled_blocks import compile_blocks
-from cosyapp.engine.token2wav.fused import in_background, is_compiled
 from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.incremental import (
     ROWS,
@@ -217,9 +215,9 @@ class IncrementalFlow:
         calls run eagerly, which checks the padding)."""
         self.flow, self.pool = flow, pool
         estimator = raw_estimator(flow)
+        # With --compile-flow the step runs the estimator's compiled pieces (fused.py); its blocks
+        # compiled whole (compiled_blocks.py) measured slower on an H100, so they are not served.
         self.step_fn = IncrementalEstimator(estimator, pool.inputs)
-        if pool.inputs and is_compiled(estimator):  # --compile-flow: the step's blocks too
-            compile_blocks(self.step_fn, background=in_background(estimator))
         cfg_rate = flow.decoder.inference_cfg_rate
         self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
 

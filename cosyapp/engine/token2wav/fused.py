@@ -12,11 +12,11 @@ each and take about half of the GPU's time at batch 64 (docs/model.md §6.6). ``
   itself, so there the memory-bound pieces it shares with the forward
   (``TransformerBlock.after_attention``, ``CausalBlock1D.finish``) are compiled once each with
   dynamic shapes and put on every instance: one compiled graph serves all the blocks (the modules
-  are inlined, their parameters are graph inputs). The forward's graph inlines them too. With a pool
-  of attention inputs (the default), each transformer block of the step is compiled whole instead
-  (compiled_blocks.py; IncrementalFlow sees ``is_compiled``). Compiling the incremental step whole
-  would fuse more, but on the same H100 its first graph had not finished compiling after 7
-  minutes, and one stream's calls need three (docs/model.md §8.7).
+  are inlined, their parameters are graph inputs). The forward's graph inlines them too. Each
+  transformer block of the step compiled whole (compiled_blocks.py, not served) measured 0.89-0.97x
+  of eager per call on an H100; compiling the step whole would fuse more, but on the same H100 its
+  first graph had not finished compiling after 7 minutes, and one stream's calls need three
+  (docs/model.md §8.7).
 
 Inductor runs here without CUDA graphs of its own: the graphs of graphs.py and incremental_graphs.py
 capture the compiled kernels. Results match eager within float rounding.
