@@ -71,3 +71,31 @@ def test_a_capture_waits_for_the_compile_threads_run_and_serving_threads_take_no
     runner.join(10)
     capturer.join(10)
     assert order == ["run ended", "capture began"]
+
+
+def test_a_waiting_run_goes_before_captures_that_come_after_it():
+    """A start captures many buckets back to back: the compile thread's run waiting for a gap goes
+    in the first one, before the next capture."""
+    order: list[str] = []
+    first = TURNS.capture()
+    first.__enter__()
+
+    def run():
+        with TURNS.run():
+            order.append("run")
+
+    def capture():
+        with TURNS.capture():
+            order.append("next capture")
+
+    runner = threading.Thread(target=run, name=turns.COMPILE_THREAD)
+    runner.start()
+    assert wait_for(lambda: TURNS.waiting_runs == 1, 10)
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    time.sleep(0.2)
+    assert order == []
+    first.__exit__(None, None, None)
+    runner.join(10)
+    capturer.join(10)
+    assert order == ["run", "next capture"]

@@ -37,7 +37,8 @@ class Turns:
     @contextlib.contextmanager
     def capture(self):
         with self._cond:
-            self._cond.wait_for(lambda: self._running == 0)
+            # A run waiting goes first: a start's back-to-back captures would otherwise hold it off.
+            self._cond.wait_for(lambda: self._running == 0 and self.waiting_runs == 0)
             self._captures += 1
         try:
             yield
