@@ -13,7 +13,7 @@ beside captures: the turn is taken around each run of a compiled graph, inside t
 ``compile`` gives torch.compile, and only on the compile thread. A serving thread's compiled calls,
 which may be part of its own capture, take no turn (their kernels were tuned on the compile thread,
 whose call of each kind comes first). Captures wait for at most one compiled run (about a second);
-the compile thread waits for the captures in progress.
+the compile thread waits for the captures in progress, and captures asked for after it wait for it.
 """
 
 import contextlib
