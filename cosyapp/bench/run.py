@@ -179,11 +179,10 @@ async def _measure_variant(
             await pipeline.warm_up_token2wav()
             await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
             await pipeline.token2wav.graphs_settled()
-            started = time.perf_counter()
-            if compiles:
-                await _compiled(pipeline, warm_up=pipeline.model.device.type != "cpu")
             waited = {}
-            if compiles:  # what the compile thread had compiled when the levels began
+            if compiles:  # the wait, and what the compile thread had compiled when the levels began
+                started = time.perf_counter()
+                await _compiled(pipeline, warm_up=pipeline.model.device.type != "cpu")
                 compiled = pipeline.token2wav.stats().flow_compiles
                 waited = {"compile_wait_s": time.perf_counter() - started, "compiled_before": compiled}
         for text, mode, clients in itertools.product(texts, args.modes, args.clients):

@@ -105,8 +105,8 @@ def build_pipeline(model: CosyVoice2, options: ServeOptions) -> Pipeline:
 
 def prepare_flow(flow: CausalMaskedDiffWithXvec, device: torch.device, options: ServeOptions) -> None:
     """``flow`` made ready to serve on ``device``, in place: its matrix weights stored in the autocast
-        dtype, compiled with ``compile_flow``, its estimator replayed from CUDA graphs on a GPU (captured
-        later, by the token2wav worker's start). scripts/flow_precompile.py runs it too, and the benchmark
+    dtype, compiled with ``compile_flow``, its estimator replayed from CUDA graphs on a GPU (captured
+    later, by the token2wav worker's start). scripts/flow_precompile.py runs it too, and the benchmark
     again on a flow that served eagerly, to compile it (its compile_flow variant)."""
     flow_dtype = flow_autocast_dtype(device, options)
     if flow_dtype is not None and device.type == "cuda" and flow.matmul_dtype is None:
