@@ -99,3 +99,34 @@ def test_a_waiting_run_goes_before_captures_that_come_after_it():
     runner.join(10)
     capturer.join(10)
     assert order == ["run", "next capture"]
+
+
+class _HeldTrace(torch.nn.Module):
+    """A module whose symbolic trace (torch.fx, as inductor's passes run it) stays in progress until
+    ``release`` is set: the process-wide tracing flag stays up meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracing, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.tracing.set()
+        self.release.wait(30)
+        return x + 1
+
+
+def test_a_compiled_call_on_a_serving_thread_runs_eagerly_while_another_thread_traces():
+    compiled = turns.compile(scaled_gelu)
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    torch.testing.assert_close(compiled(x, w), scaled_gelu(x, w), rtol=1e-5, atol=1e-6)
+    held = _HeldTrace()
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(held,), name=turns.COMPILE_THREAD)
+    tracer.start()
+    try:
+        assert held.tracing.wait(10)
+        assert torch.fx._symbolic_trace.is_fx_symbolic_tracing()  # the flag this thread sees
+        torch.testing.assert_close(compiled(x, w), scaled_gelu(x, w), rtol=1e-5, atol=1e-6)
+    finally:
+        held.release.set()
+        tracer.join(10)
+    assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()

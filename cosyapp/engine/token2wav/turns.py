@@ -14,6 +14,12 @@ beside captures: the turn is taken around each run of a compiled graph, inside t
 which may be part of its own capture, take no turn (their kernels were tuned on the compile thread,
 whose call of each kind comes first). Captures wait for at most one compiled run (about a second);
 the compile thread waits for the captures in progress, and captures asked for after it wait for it.
+
+One more thing the two threads share: inductor symbolically traces (torch.fx) parts of what it
+compiles, and torch.fx says so through a process-wide flag. A compiled function called on a serving
+thread meanwhile would raise ("FX to symbolically trace a dynamo-optimized function"; seen on an
+H100 while the start captured a bucket). ``compile`` turns that error off for the process, so such
+a call runs its function eagerly instead: the same arithmetic, slower for that one call.
 """
 
 import contextlib
@@ -97,5 +103,7 @@ class _Inductor(torch._TorchCompileInductorWrapper):
 
 
 def compile(fn, mode: str | None = None):
-    """``torch.compile(fn, dynamic=True, mode=mode)`` whose compiled graphs take their turns."""
+    """``torch.compile(fn, dynamic=True, mode=mode)`` whose compiled graphs take their turns, and
+    which runs eagerly when called while another thread's fx trace is in progress (module docstring)."""
+    torch._dynamo.config.error_on_nested_fx_trace = False
     return torch.compile(fn, dynamic=True, backend=_Inductor(mode, None, True))
