@@ -130,3 +130,22 @@ def test_a_compiled_call_on_a_serving_thread_runs_eagerly_while_another_thread_t
         held.release.set()
         tracer.join(10)
     assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
+def test_the_compile_thread_runs_compiled_graphs_inside_its_own_capture(fresh_compiles):
+    """Recapturing a stale bucket, the compile thread calls compiled graphs inside its own capture:
+    they are recorded there, so they take no turn (waiting for the capture would wait for itself)."""
+    compiled = turns.compile(scaled_gelu)
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    results = []
+
+    def recapture():
+        with TURNS.capture():
+            results.append(compiled(x, w))
+
+    thread = threading.Thread(target=recapture, name=turns.COMPILE_THREAD)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the compile thread waited for its own capture"
+    torch.testing.assert_close(results[0], scaled_gelu(x, w), rtol=1e-5, atol=1e-6)
+    assert TURNS.captures_here() == 0 and TURNS.waiting_runs == 0

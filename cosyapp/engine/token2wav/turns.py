@@ -39,6 +39,7 @@ class Turns:
         self._captures = 0
         self._running = 0  # the compile thread's runs (nested runs count each)
         self.waiting_runs = 0  # compiled runs waiting for captures to end (tests read it)
+        self._mine = threading.local()  # this thread's captures in progress
 
     @contextlib.contextmanager
     def capture(self):
@@ -46,15 +47,25 @@ class Turns:
             # A run waiting goes first: a start's back-to-back captures would otherwise hold it off.
             self._cond.wait_for(lambda: self._running == 0 and self.waiting_runs == 0)
             self._captures += 1
+        self._mine.captures = self.captures_here() + 1
         try:
             yield
         finally:
+            self._mine.captures -= 1
             with self._cond:
                 self._captures -= 1
                 self._cond.notify_all()
 
+    def captures_here(self) -> int:
+        return getattr(self._mine, "captures", 0)
+
     @contextlib.contextmanager
     def run(self):
+        """A compiled run's turn. Inside a capture of this same thread (the compile thread recaptures
+        stale buckets) the run is recorded, not run, and needs none: waiting would wait for itself."""
+        if self.captures_here():
+            yield
+            return
         with self._cond:
             if self._running == 0:
                 self.waiting_runs += 1
