@@ -48,8 +48,10 @@ def autocast():
 
 
 def sync():
+    """Waits for this thread's stream, as the engine does: a device-wide synchronise is an error
+    while the compile thread captures graphs (it recaptures them after each compile)."""
     if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def schedule(prompt_len: int, total: int) -> list[tuple[int, bool]]:
