@@ -59,6 +59,9 @@ class ServeOptions:
     gather_ms: how long the token2wav worker, woken from an empty queue, waits for jobs to stop
         coming before it takes its step (at most 20 ms; engine/token2wav/scheduler.py): the chunks
         that come due together at one LM step then share one flow call; 0 takes the first at once.
+    expect_ms: how long a token2wav step waits, at most, for the chunks of streams a token or two
+        short of theirs (engine/token2wav/scheduler.py): a stream one LM step ahead of the others then
+        shares their flow call instead of holding them back by a whole call; 0 = none (at most 50).
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
@@ -99,6 +102,7 @@ class ServeOptions:
     compile_flow: bool = False
     compile_hift: bool | None = None
     gather_ms: float = 2.0
+    expect_ms: float = 20.0
     text_lanes: int = 0
     overlap_hift: bool = True
     token2wav_priority: int = 0
@@ -128,6 +132,7 @@ class ServeOptions:
             ("max_request_audio_s", self.max_request_audio_s >= 1, "must be at least 1"),
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
+            ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
             ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),

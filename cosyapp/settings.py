@@ -40,6 +40,7 @@ class Settings:
     chunked_final: bool = DEFAULTS.chunked_final
     flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs
     gather_ms: float = DEFAULTS.gather_ms
+    expect_ms: float = DEFAULTS.expect_ms
     text_lanes: int = DEFAULTS.text_lanes
     compile_flow: bool = DEFAULTS.compile_flow
     compile_hift: bool | None = DEFAULTS.compile_hift
@@ -209,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long the token2wav worker, idle, waits for more chunks to come before its step (at most "
         "20 ms), so chunks due at one LM step share a flow call; 0 = none (default: %(default)s; env "
         "COSYAPP_GATHER_MS)",
+    )
+    add(
+        "--expect-ms",
+        type=float,
+        default=float(_env("EXPECT_MS", defaults.expect_ms)),
+        help="how long a token2wav step waits, at most, for the chunks of streams a token or two short "
+        "of theirs, so a stream one LM step ahead shares their flow call; 0 = none (default: "
+        "%(default)s; env COSYAPP_EXPECT_MS)",
     )
     add(
         "--compile-flow",

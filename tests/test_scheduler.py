@@ -222,3 +222,127 @@ def test_a_streams_first_audio_is_not_held_behind_a_huge_whole_clip(tiny_model):
     # Three flow calls of one job each: the stream's last chunk was not padded to the whole clip.
     assert (stats.flow_calls, stats.max_flow_batch) == (3, 1)
     np.testing.assert_allclose(np.concatenate(together), np.concatenate(alone), rtol=0, atol=1e-5)
+
+
+def _take_expecting(queue: JobQueue, first: Job, then: Job | None, after_s: float, waiting: bool = False):
+    """A worker's ``take`` (on a thread) with ``first`` queued and ``then``'s stream expected, its job
+    put ``after_s`` later (None: the expectation ends instead). ``waiting``: ``first`` was queued
+    before the worker looked, as after a step (no idle gathering). Returns the batch and its wait."""
+    expected = then.stream if then is not None else _stream()
+    queue.expect(expected, True)
+    if waiting:
+        queue.put(first)
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append((queue.take(), time.monotonic())))
+    worker.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    if not waiting:
+        queue.put(first)
+    time.sleep(after_s)
+    if then is not None:
+        queue.put(then)
+    else:
+        queue.expect(expected, False)
+    worker.join()
+    batch, at = taken[0]
+    return batch, at - start
+
+
+def test_a_step_waits_for_the_job_of_a_stream_it_expects(loop):
+    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=5.0)
+    batch, waited = _take_expecting(queue, a, b, after_s=0.3)
+    assert batch == [a, b] and waited >= 0.3 and queue.expected == 0
+    # Jobs already waiting after a step: the step waits for the expected job too.
+    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=5.0)
+    batch, _ = _take_expecting(queue, a, b, after_s=0.3, waiting=True)
+    assert batch == [a, b]
+    # Expecting nothing (expect_s 0), the quiet gap takes the first job alone.
+    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=0.0)
+    batch, _ = _take_expecting(queue, a, b, after_s=0.3)
+    assert batch == [a] and len(queue) == 1
+
+
+def test_expecting_ends_at_its_cap_or_when_the_stream_is_expected_no_more(loop):
+    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=0.2)
+    batch, waited = _take_expecting(queue, a, b, after_s=1.0)
+    assert batch == [a] and 0.15 <= waited < 0.9
+    a = _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=30.0)
+    batch, waited = _take_expecting(queue, a, None, after_s=0.2)  # the stream ended: no job comes
+    assert batch == [a] and waited < 5.0
+
+
+def _prompt(tokens: int, seed: int) -> PromptInputs:
+    g = torch.Generator().manual_seed(seed)
+    return PromptInputs(
+        text_ids=torch.tensor([1, 2]),
+        speech_tokens=torch.randint(0, 6561, (tokens,), generator=g),
+        speech_feat=torch.randn(2 * tokens, 80, generator=g) - 5,
+        embedding=torch.randn(192, generator=g),
+    )
+
+
+def test_a_stream_is_expected_two_tokens_before_each_chunk(tiny_model):
+    """A 25-token prompt: chunk calls at 28 tokens (25 + lookahead 3) and 78; the worker is told to
+    expect each while 2 or 1 tokens are missing, and no more once the job is in or the stream ends."""
+    tokens = torch.randint(0, 6561, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    seen: list[int] = []
+
+    async def main():
+        engine = Token2Wav(tiny_model)
+        engine.start()
+
+        async def feed():
+            for token in tokens:
+                seen.append(engine._queue.expected)  # after every token before this one
+                yield [token]
+
+        try:
+            stream = engine.open_stream(_prompt(25, 5), seed=1)
+            async for _ in stream.run(feed()):
+                pass
+            return engine._queue.expected
+        finally:
+            engine.stop()
+
+    assert asyncio.run(main()) == 0
+    assert [i for i, n in enumerate(seen) if n] == [26, 27, 76, 77]
+
+
+def test_a_stream_one_lm_step_ahead_shares_its_first_flow_call(tiny_model):
+    """Two streams fed one token per 40 ms step, the second one step behind: the leader's first chunk
+    waits for the other's and both run in one flow call; without expecting, it leaves alone."""
+    tokens = torch.randint(0, 6561, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    async def run(expect_ms: float):
+        engine = Token2Wav(tiny_model, gather_ms=2.0, expect_ms=expect_ms)
+        engine.start()
+
+        async def feed(delay: float):
+            await asyncio.sleep(delay)
+            for token in tokens:
+                yield [token]
+                await asyncio.sleep(0.04)
+
+        async def consume(stream, delay):
+            return [chunk async for chunk in stream.run(feed(delay))]
+
+        try:
+            streams = [engine.open_stream(_prompt(25, 7 + i), seed=i) for i in range(2)]
+            audio = await asyncio.gather(consume(streams[0], 0.0), consume(streams[1], 0.04))
+            # One flow call stamps its jobs with one time.
+            return audio, {stream.first_job.times["flow_start"] for stream in streams}
+        finally:
+            engine.stop()
+
+    shared, starts = asyncio.run(run(expect_ms=2000.0))
+    assert len(starts) == 1
+    alone, starts = asyncio.run(run(expect_ms=0.0))
+    assert len(starts) == 2
+    for a, b in zip(shared, alone, strict=True):
+        np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), rtol=0, atol=1e-5)

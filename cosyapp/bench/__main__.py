@@ -41,6 +41,7 @@ VARIANT_FIELDS = (
     "chunked_final",
     "flow_cache_inputs",
     "gather_ms",
+    "expect_ms",
     "overlap_hift",
     "max_batch",
     "token2wav_priority",

@@ -167,6 +167,7 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         chunked_final=options.chunked_final,
         flow_cache_inputs=options.flow_cache_inputs,
         gather_ms=options.gather_ms,
+        expect_ms=options.expect_ms,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
         stream_priority=options.token2wav_priority,
         hift_graphs=options.hift_graphs and on_gpu,

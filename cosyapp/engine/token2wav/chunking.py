@@ -17,6 +17,8 @@ from cosyapp.options import MAX_HOP
 
 ENCODER_CHUNK = 25  # tokens per static chunk of the flow's streaming masks (50 mel frames)
 PRE_LOOKAHEAD = 3  # tokens of right context a chunk call hands the flow beyond its hop
+# A stream this many tokens short of its next chunk call tells the worker to expect it (scheduler.py).
+SOON_TOKENS = 2
 MEL_CACHE_FRAMES = 8
 SOURCE_CACHE_SAMPLES = MEL_CACHE_FRAMES * SAMPLES_PER_FRAME  # 3840, also the cross-fade length
 # Upstream cross-fades with numpy's symmetric Hamming window in float64 and casts the result back.
@@ -64,7 +66,11 @@ class ChunkSchedule:
 
     def ready(self, available: int) -> bool:
         """Whether `available` tokens are enough for the next chunk call (its hop + lookahead)."""
-        return available - self.offset >= self.hop() + PRE_LOOKAHEAD
+        return self.due_in(available) <= 0
+
+    def due_in(self, available: int) -> int:
+        """Tokens still to come, beyond `available`, before the next chunk call is ready."""
+        return self.hop() + PRE_LOOKAHEAD - (available - self.offset)
 
     def advance(self) -> tuple[int, int]:
         """Take the next chunk: returns (offset, end); the call hands the flow tokens[: end + 3]."""

@@ -1,4 +1,5 @@
-"""How the token2wav worker turns an error into the result of only the jobs involved.
+"""How the token2wav worker runs jobs: an error turned into the result of only the jobs involved,
+and the recompute path's padded flow call (``recompute``).
 
 ``failing`` and ``retry_in_halves`` hand an error to the jobs it concerns (failing their streams, so
 their later jobs are skipped), so the worker keeps serving everyone else; ``rounds`` orders a batch
@@ -11,8 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from cosyapp.engine.token2wav.stream import Job
+from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")  # a batch item: a Job for the flow, (Job, HiFT input mel) for HiFT
@@ -73,3 +77,25 @@ def rounds(jobs: list[Job]) -> Iterator[list[Job]]:
         per_stream.setdefault(id(job.stream), []).append(job)
     for k in range(max(map(len, per_stream.values()), default=0)):
         yield [stream_jobs[k] for stream_jobs in per_stream.values() if len(stream_jobs) > k]
+
+
+def recompute(
+    model: CosyVoice2, autocast_dtype: torch.dtype | None, jobs: list[Job], streaming: bool, finalize: bool
+) -> list[Tensor]:
+    """One padded flow call over prompt + every token of each job (all of one mode): each job's new
+    frames (80, n) in float32, from its token ``offset`` on."""
+    dev = model.device
+    prompts = [job.stream.device_prompt for job in jobs]
+    with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        mel, mel_len = model.flow.inference(
+            token=pad_sequence([job.tokens for job in jobs], batch_first=True).to(dev),
+            token_len=torch.tensor([len(job.tokens) for job in jobs], device=dev),
+            prompt_token=pad_sequence([p.speech_tokens for p in prompts], batch_first=True),
+            prompt_token_len=torch.tensor([len(p.speech_tokens) for p in prompts], device=dev),
+            prompt_feat=pad_sequence([p.speech_feat for p in prompts], batch_first=True),
+            prompt_feat_len=torch.tensor([len(p.speech_feat) for p in prompts], device=dev),
+            embedding=torch.stack([p.embedding for p in prompts]),
+            streaming=streaming,
+            finalize=finalize,
+        )
+    return [mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)]

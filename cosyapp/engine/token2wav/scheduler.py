@@ -21,6 +21,15 @@ woken from an empty queue first gathers: it takes its step once no job has come 
 after at most ``gather_max_s``, or at ``max_batch`` jobs. A worker that finds jobs waiting after a
 step takes them at once.
 
+A quiet gap does not tell whether more jobs are on their way. Streams admitted one after another
+keep their lead through the sentence: the first stream's chunk comes one LM step (4-17 ms) before
+the others', so a 2 ms gap took it alone and the rest waited a whole flow call (batches of 1 and 63
+at 64 streams on an H100, the ``flow_queue`` stage 113-133 ms at 4-64 streams). So each stream tells
+the queue when its next chunk is ``SOON_TOKENS`` tokens away (``expect``), and a step, idle or not,
+waits for the jobs so expected, up to ``expect_s`` from the step's first look (the quiet gap alone
+ends an idle worker's gathering only once none is expected). A stream that submits its job, or ends,
+is expected no more.
+
 Every method is thread-safe: the event loop puts jobs, the worker's flow thread takes them.
 """
 
@@ -28,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-from cosyapp.engine.token2wav.stream import Job
+from cosyapp.engine.token2wav.stream import Job, Stream
 
 # How long a whole-clip job may wait for streams that are about to run dry.
 WHOLE_SLACK_S = 1.0
@@ -52,10 +61,12 @@ class JobQueue:
         cost: Cost,
         gather_s: float = 0.0,
         gather_max_s: float = GATHER_MAX_S,
+        expect_s: float = 0.0,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
-        self.gather_s, self.gather_max_s = gather_s, gather_max_s
+        self.gather_s, self.gather_max_s, self.expect_s = gather_s, gather_max_s, expect_s
         self._jobs: list[Job] = []
+        self._expected: set[Stream] = set()  # streams whose next job is a token or two away
         self._changed = threading.Condition()
         self._closed = False
         self._held = False
@@ -67,7 +78,22 @@ class JobQueue:
     def put(self, job: Job) -> None:
         with self._changed:
             self._jobs.append(job)
+            self._expected.discard(job.stream)
             self._changed.notify()
+
+    def expect(self, stream: Stream, soon: bool) -> None:
+        """Whether ``stream``'s next job is about to come (module docstring); its ``put`` ends it."""
+        with self._changed:
+            if soon:
+                self._expected.add(stream)
+            else:
+                self._expected.discard(stream)
+                self._changed.notify()
+
+    @property
+    def expected(self) -> int:
+        with self._changed:
+            return len(self._expected)
 
     def hold(self) -> None:
         """Make ``take`` wait (while a group of jobs meant for one step is put)."""
@@ -91,12 +117,12 @@ class JobQueue:
         """Block until there are jobs (and no hold), then remove and return the next step's batch,
         gathered first if the queue was empty (module docstring); None once closed."""
         with self._changed:
-            idle = False
+            idle, gathered = False, False
             while True:
                 if not self._closed and not self._held and self._jobs:
-                    if idle:
-                        idle = False
-                        self._gather()
+                    if not gathered:
+                        gathered = True
+                        self._gather(idle)
                         continue  # closed or held meanwhile: look again
                     batch = self._select()
                     taken = set(map(id, batch))
@@ -107,16 +133,21 @@ class JobQueue:
                 idle = idle or not self._jobs
                 self._changed.wait()
 
-    def _gather(self) -> None:
-        """Wait (lock held, released while waiting) until no job has come for ``gather_s``, the cap
-        has passed, the queue holds ``max_batch`` jobs, or it is closed."""
-        until = time.monotonic() + self.gather_max_s
-        while self.gather_s > 0 and not self._closed and len(self._jobs) < self.max_batch:
-            count, left = len(self._jobs), until - time.monotonic()
-            if left <= 0:
+    def _gather(self, idle: bool) -> None:
+        """Wait (lock held, released while waiting) for the next step's jobs: until the queue holds
+        ``max_batch`` or is closed, or else until no job is expected (or ``expect_s`` has passed) and,
+        woken from idle, no job has come for ``gather_s`` (or ``gather_max_s`` has passed)."""
+        start = time.monotonic()
+        while not self._closed and len(self._jobs) < self.max_batch:
+            waited = time.monotonic() - start
+            if self._expected and waited < self.expect_s:
+                self._changed.wait(self.expect_s - waited)  # a put or an expectation ended wakes it
+                continue
+            if not (idle and self.gather_s > 0 and waited < self.gather_max_s):
                 return
-            self._changed.wait(min(self.gather_s, left))
-            if len(self._jobs) == count:
+            count = len(self._jobs)
+            self._changed.wait(min(self.gather_s, self.gather_max_s - waited))
+            if len(self._jobs) == count and not self._expected:
                 return
 
     def _select(self) -> list[Job]:

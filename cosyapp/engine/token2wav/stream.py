@@ -5,7 +5,8 @@ tokens and seed, never on which streams share its batches. The event loop and th
 (the worker's flow and HiFT stages may run on two threads, worker.py), and every field has exactly
 one writer:
 
-- the event loop (``run``): the tokens so far, the chunk schedule, the futures of submitted jobs;
+- the event loop (``run``): the tokens so far, the chunk schedule, the futures of submitted jobs,
+  whether the worker was told to expect its next job;
 - the flow stage: the prompt on the model's device, the noise generator (made there, at the first
   job, before any HiFT call) and the incremental flow's state;
 - the HiFT stage: the speed change, the HiFT overlap caches and the audio delivered so far;
@@ -30,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyapp.engine.token2wav.chunking import PRE_LOOKAHEAD, ChunkSchedule, HiFTOverlap, StreamingSpeedChange
+from cosyapp.engine.token2wav.chunking import (
+    PRE_LOOKAHEAD,
+    SOON_TOKENS,
+    ChunkSchedule,
+    HiFTOverlap,
+    StreamingSpeedChange,
+)
 from cosyapp.engine.token2wav.pages import FlowCache
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, PromptInputs
 from cosyapp.models.flow import MAX_MEL_FRAMES
@@ -85,12 +92,15 @@ class Stream:
     seed: int | None  # HiFT source noise; None: a random seed
     first_hop: int
     submit: Callable[[Job], None]  # puts a job on the worker's queue
+    # Tells the worker whether this stream's next job is SOON_TOKENS or fewer tokens away (scheduler.py).
+    expect: Callable[["Stream", bool], None] | None = None
     # Written by the event loop only.
     schedule: ChunkSchedule = field(init=False)
     tokens: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)  # the worker only reads it
     started: bool = False
+    expected: bool = False  # what ``expect`` was last told
     # Written by the worker's stages (module docstring; the resampler is made here, before any job).
     device_prompt: PromptInputs | None = None
     generator: torch.Generator | None = None
@@ -136,6 +146,7 @@ class Stream:
             await reader  # raises what the token iterator or the schedule raised
         finally:
             self.cancelled.set()
+            self._expect(False)
             for future in self.futures:
                 future.cancel()
             reader.cancel()
@@ -159,8 +170,15 @@ class Stream:
                 while self.streaming and self.schedule.ready(len(self.tokens)):
                     offset, end = self.schedule.advance()
                     ready.put_nowait(self._submit(self.tokens[: end + PRE_LOOKAHEAD], offset, False))
+                self._expect(self.streaming and self.schedule.due_in(len(self.tokens)) <= SOON_TOKENS)
+            self._expect(False)  # the final job, if any, comes now
             if len(self.tokens) > self.schedule.offset:
                 ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
+
+    def _expect(self, soon: bool) -> None:
+        if soon != self.expected and self.expect is not None:
+            self.expected = soon
+            self.expect(self, soon)
 
     def _submit(self, tokens: list[int], offset: int, finalize: bool) -> asyncio.Future:
         frames = TOKEN_MEL_RATIO * (len(self.prompt.speech_tokens) + len(tokens))

@@ -29,14 +29,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.hift_graphs import HiFTRunner
-from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
+from cosyapp.engine.token2wav.jobs import failing, recompute, retry_in_halves, rounds
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, Stream, stamp
@@ -59,7 +58,8 @@ class Token2Wav:
     start() (off on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
     chunked_final: see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys
     and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
-    (scheduler.py). step_frames: the padded rows x frames one step's flow call may
+    (scheduler.py); expect_ms: how long a step waits for the jobs of streams a token or two short of
+    their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
     streams (0, or -1 before the LM's). hift_graphs: replay HiFT calls from CUDA graphs
@@ -77,6 +77,7 @@ class Token2Wav:
         chunked_final: bool = DEFAULTS.chunked_final,
         flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs,
         gather_ms: float = DEFAULTS.gather_ms,
+        expect_ms: float = DEFAULTS.expect_ms,
         step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
@@ -90,8 +91,8 @@ class Token2Wav:
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
         self.step_frames = step_frames or max_batch * STEP_FRAMES_PER_ROW
-        self.gather_s = gather_ms / 1000
-        self._queue = JobQueue(max_batch, self.step_frames, self._cost, self.gather_s)
+        self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
+        self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift = overlap_hift
         self.hift_runner = HiFTRunner(model.hift, hift_graphs)
@@ -106,13 +107,16 @@ class Token2Wav:
         flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
         self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
 
+    def _new_queue(self) -> JobQueue:
+        return JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s, expect_s=self.expect_s)
+
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
         if self.cached is None:
             self.cached = self._cached_flow()
         if self._thread is None:
             if self._stopped:  # started again after stop(), which closed the queue
-                self._queue = JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s)
+                self._queue = self._new_queue()
             self._stopped = False
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
@@ -176,7 +180,7 @@ class Token2Wav:
             raise ValueError(f"speed must be positive, got {speed}")
         if streaming and math.floor((TOKEN_MEL_RATIO * self.first_hop - 1) / speed) <= MEL_CACHE_FRAMES:
             raise ValueError(f"speed {speed} is too high for streaming with a first hop of {self.first_hop}")
-        return Stream(prompt, speed, streaming, seed, self.first_hop, self.submit)
+        return Stream(prompt, speed, streaming, seed, self.first_hop, self.submit, self.expect)
 
     async def whole_clip(
         self, prompt: PromptInputs, tokens: list[int], speed: float = 1.0, seed: int | None = None
@@ -189,6 +193,10 @@ class Token2Wav:
         stream = self.open_stream(prompt, speed, streaming=False, seed=seed)
         pieces = [piece async for piece in stream.run(all_at_once())]
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    def expect(self, stream: Stream, soon: bool) -> None:
+        """Whether ``stream``'s next job is a token or two away: a step waits for it (scheduler.py)."""
+        self._queue.expect(stream, soon)
 
     def submit(self, job: Job) -> None:
         """Queue a job for the worker. Raises RuntimeError after stop()."""
@@ -322,29 +330,12 @@ class Token2Wav:
 
     def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
         """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
-        mels = self._timed(functools.partial(self._flow_group, streaming=streaming, finalize=finalize), jobs)
+        call = functools.partial(
+            recompute, self.model, self.autocast_dtype, streaming=streaming, finalize=finalize
+        )
+        mels = self._timed(call, jobs)
         for job, mel in zip(jobs, mels, strict=True):
             job.mel = mel
-
-    def _flow_group(self, jobs: list[Job], streaming: bool, finalize: bool) -> list[Tensor]:
-        dev = self.model.device
-        prompts = [job.stream.device_prompt for job in jobs]
-        autocast = self.autocast_dtype is not None
-        with torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=autocast):
-            mel, mel_len = self.model.flow.inference(
-                token=pad_sequence([job.tokens for job in jobs], batch_first=True).to(dev),
-                token_len=torch.tensor([len(job.tokens) for job in jobs], device=dev),
-                prompt_token=pad_sequence([p.speech_tokens for p in prompts], batch_first=True),
-                prompt_token_len=torch.tensor([len(p.speech_tokens) for p in prompts], device=dev),
-                prompt_feat=pad_sequence([p.speech_feat for p in prompts], batch_first=True),
-                prompt_feat_len=torch.tensor([len(p.speech_feat) for p in prompts], device=dev),
-                embedding=torch.stack([p.embedding for p in prompts]),
-                streaming=streaming,
-                finalize=finalize,
-            )
-        return [
-            mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)
-        ]
 
     def _vocode(self, jobs: list[Job]) -> None:
         """HiFT for at most one job per stream, batching jobs whose HiFT inputs have equal length.
