@@ -64,6 +64,9 @@ class ServeOptions:
         shares their flow call instead of holding them back by a whole call; 0 = none (at most 50).
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
+    hift_first: on a GPU, HiFT's CUDA stream one priority above the flow's, so a step's HiFT kernels
+        run before the next flow call's when both wait (engine/token2wav/worker.py): its audio goes
+        out without waiting for that call; False gives both the same priority.
     token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
         -1 (their kernels are scheduled before the LM's when both wait).
     hift_graphs: on a GPU, replay HiFT calls from CUDA graphs, one per batch bucket and length
@@ -106,6 +109,7 @@ class ServeOptions:
     text_lanes: int = 0
     overlap_hift: bool = True
     token2wav_priority: int = 0
+    hift_first: bool = True
     hift_graphs: bool = False
     lm_in_process: bool = False
     lm_stream_interval: int = 1

@@ -49,6 +49,7 @@ class Settings:
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
     lm_sampler_graphs: bool = DEFAULTS.lm_sampler_graphs
     token2wav_priority: int = DEFAULTS.token2wav_priority
+    hift_first: bool = DEFAULTS.hift_first
     max_text_chars: int = DEFAULTS.max_text_chars
     slowest_speech_rate: float = DEFAULTS.slowest_speech_rate
     max_request_audio_s: float = DEFAULTS.max_request_audio_s
@@ -274,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA stream priority of the flow and HiFT: -1 runs their kernels before the LM's when "
         "both wait, which matters only with --lm-in-process (default: %(default)s; env "
         "COSYAPP_TOKEN2WAV_PRIORITY)",
+    )
+    add(
+        "--hift-first",
+        action=argparse.BooleanOptionalAction,
+        default=_flag("HIFT_FIRST", defaults.hift_first),
+        help="on a GPU, HiFT's CUDA stream one priority above the flow's, so a step's audio is not held "
+        "behind the next flow call's kernels (default: %(default)s; env COSYAPP_HIFT_FIRST)",
     )
     add(
         "--max-text-chars",

@@ -46,6 +46,7 @@ def test_the_command_line_choices_reach_the_options():
     argv = ["--engine", "torch", "--max-streams", "8", "--gpu-memory-utilization", "0.5", "--first-hop", "15"]
     argv += ["--max-text-chars", "900", "--cache-dir", "cache"]
     argv += ["--lm-in-process", "--token2wav-priority", "-1", "--text-lanes", "2"]
+    argv += ["--expect-ms", "5", "--no-hift-first"]
     assert parse_settings(argv).serve_options() == replace(
         DEFAULTS,
         engine="torch",
@@ -58,6 +59,8 @@ def test_the_command_line_choices_reach_the_options():
         lm_in_process=True,
         token2wav_priority=-1,
         text_lanes=2,
+        expect_ms=5.0,
+        hift_first=False,
     )
 
 
@@ -75,6 +78,7 @@ def test_the_benchmark_defaults_are_the_options_defaults():
         ("cosyapp.engine.token2wav.worker:Token2Wav", "max_batch", "max_batch"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "first_hop", "first_hop"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "stream_priority", "token2wav_priority"),
+        ("cosyapp.engine.token2wav.worker:Token2Wav", "expect_ms", "expect_ms"),
         ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
         ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
         ("cosyapp.engine.pipeline:Pipeline", "text_lanes", "text_lanes"),
@@ -103,6 +107,7 @@ def test_engine_constructors_default_to_the_options(constructor, parameter, opti
         ({"max_batch": 0}, "max_batch must be at least 1"),
         ({"flow_dtype": "int8"}, "flow_dtype must be one of"),
         ({"token2wav_priority": 1}, "token2wav_priority must be 0 or -1"),
+        ({"expect_ms": 60}, "expect_ms must be between 0 and 50"),
         ({"text_lanes": -1}, "text_lanes must be between 0"),
     ],
 )

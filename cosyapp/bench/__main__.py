@@ -45,6 +45,7 @@ VARIANT_FIELDS = (
     "overlap_hift",
     "max_batch",
     "token2wav_priority",
+    "hift_first",
     "hift_graphs",
     "text_lanes",
     "compile_flow",

@@ -103,6 +103,7 @@ def _worker(pipeline: Pipeline) -> dict:
             "max_batch": t2w.max_batch,
             "overlap_hift": t2w.overlap_hift,
             "stream_priority": t2w.stream_priority,
+            "hift_first": t2w.hift_first,
             "gather_ms": 1000 * t2w.gather_s,
             "expect_ms": 1000 * t2w.expect_s,
             "flow_cache": t2w.cached is not None,

@@ -62,8 +62,9 @@ class Token2Wav:
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
-    streams (0, or -1 before the LM's). hift_graphs: replay HiFT calls from CUDA graphs
-    (hift_graphs.py). Jobs submitted before start() wait for it.
+    streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
+    hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). Jobs submitted before start()
+    wait for it.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class Token2Wav:
         step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
+        hift_first: bool = False,
         hift_graphs: bool = False,
     ):
         if max_batch < 1:
@@ -96,7 +98,7 @@ class Token2Wav:
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift = overlap_hift
         self.hift_runner = HiFTRunner(model.hift, hift_graphs)
-        self.stream_priority = stream_priority
+        self.stream_priority, self.hift_first = stream_priority, hift_first
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
         self._handoff: queue.Queue[list[Job] | None] = queue.Queue(HANDOFF_STEPS)
@@ -238,7 +240,7 @@ class Token2Wav:
 
     def _vocode_work(self) -> None:
         """The HiFT thread (overlap_hift): each handed-over step, in the order the flow finished them."""
-        with torch.inference_mode(), self._own_cuda_stream():
+        with torch.inference_mode(), self._own_cuda_stream(first=self.hift_first):
             while (jobs := self._handoff.get()) is not None:
                 self._vocode_step(jobs)
 
@@ -247,7 +249,7 @@ class Token2Wav:
             # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
             self._vocode([job for job in jobs_round if job.stream.live])
 
-    def _own_cuda_stream(self):
+    def _own_cuda_stream(self, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
         kernels then overlap. A mel crosses between them only after its flow call has synchronised
         (``_timed``, ``_flow_batch``), and HiFT's inputs are freed after its copy to the CPU waited
@@ -255,7 +257,8 @@ class Token2Wav:
         dev = self.model.device
         if dev.type != "cuda":
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.Stream(dev, priority=self.stream_priority))
+        # ``first``: one priority higher (a lower number; torch clamps it to the device's range).
+        return torch.cuda.stream(torch.cuda.Stream(dev, priority=self.stream_priority - first))
 
     def _cost(self, job: Job) -> tuple[tuple, int]:
         """The flow call a job joins and the frames it pads that call to: its new frames in the
