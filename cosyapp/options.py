@@ -66,7 +66,8 @@ class ServeOptions:
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     hift_first: on a GPU, HiFT's CUDA stream one priority above the flow's, so a step's HiFT kernels
         run before the next flow call's when both wait (engine/token2wav/worker.py): its audio goes
-        out without waiting for that call; False gives both the same priority.
+        out without waiting for that call; False gives both the same priority. With --lm-in-process
+        and token2wav_priority 0, HiFT's kernels also go before the LM's.
     token2wav_priority: CUDA stream priority of the flow and HiFT threads on a GPU, 0 (as the LM's) or
         -1 (their kernels are scheduled before the LM's when both wait).
     hift_graphs: on a GPU, replay HiFT calls from CUDA graphs, one per batch bucket and length

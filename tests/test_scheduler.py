@@ -315,7 +315,7 @@ def test_a_stream_is_expected_two_tokens_before_each_chunk(tiny_model):
 
 
 def test_a_stream_one_lm_step_ahead_shares_its_first_flow_call(tiny_model):
-    """Two streams fed one token per 40 ms step, the second one step behind: the leader's first chunk
+    """Two streams fed one token per 80 ms step, the second one step behind: the leader's first chunk
     waits for the other's and both run in one flow call; without expecting, it leaves alone."""
     tokens = torch.randint(0, 6561, (30,), generator=torch.Generator().manual_seed(6)).tolist()
 
@@ -327,14 +327,14 @@ def test_a_stream_one_lm_step_ahead_shares_its_first_flow_call(tiny_model):
             await asyncio.sleep(delay)
             for token in tokens:
                 yield [token]
-                await asyncio.sleep(0.04)
+                await asyncio.sleep(0.08)
 
         async def consume(stream, delay):
             return [chunk async for chunk in stream.run(feed(delay))]
 
         try:
             streams = [engine.open_stream(_prompt(25, 7 + i), seed=i) for i in range(2)]
-            audio = await asyncio.gather(consume(streams[0], 0.0), consume(streams[1], 0.04))
+            audio = await asyncio.gather(consume(streams[0], 0.0), consume(streams[1], 0.08))
             # One flow call stamps its jobs with one time.
             return audio, {stream.first_job.times["flow_start"] for stream in streams}
         finally:
@@ -346,3 +346,20 @@ def test_a_stream_one_lm_step_ahead_shares_its_first_flow_call(tiny_model):
     assert len(starts) == 2
     for a, b in zip(shared, alone, strict=True):
         np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), rtol=0, atol=1e-5)
+
+
+def test_no_expecting_leaves_the_quiet_gap_alone_and_later_expectations_are_not_waited_for(loop):
+    # expect_s 0: a stream expected changes nothing, the quiet gap ends the gathering.
+    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, gather_max_s=5.0, expect_s=0.0)
+    batch, waited = _take_expecting(queue, a, b, after_s=1.0)
+    assert batch == [a] and waited < 0.9
+    # A stream expected only after the step's first look does not hold the step: the quiet gap
+    # (1 s) ends it, not the expectation (30 s).
+    a = _job(loop, _stream(), 28)
+    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=1.0, gather_max_s=5.0, expect_s=30.0)
+    later = threading.Timer(0.3, queue.expect, args=(_stream(), True))
+    later.start()
+    batch, waited = _take_while_putting(queue, [a], gap_s=0.0)
+    later.join()
+    assert batch == [a] and 0.9 <= waited < 4.0

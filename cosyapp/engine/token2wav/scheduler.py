@@ -25,10 +25,10 @@ A quiet gap does not tell whether more jobs are on their way. Streams admitted o
 keep their lead through the sentence: the first stream's chunk comes one LM step (4-17 ms) before
 the others', so a 2 ms gap took it alone and the rest waited a whole flow call (batches of 1 and 63
 at 64 streams on an H100, the ``flow_queue`` stage 113-133 ms at 4-64 streams). So each stream tells
-the queue when its next chunk is ``SOON_TOKENS`` tokens away (``expect``), and a step, idle or not,
-waits for the jobs so expected, up to ``expect_s`` from the step's first look (the quiet gap alone
-ends an idle worker's gathering only once none is expected). A stream that submits its job, or ends,
-is expected no more.
+the queue when its next chunk is as few tokens away as its next arrival of tokens may bring
+(``expect``; ``SOON_TOKENS`` at least), and a step, idle or not, waits for the jobs expected at its
+first look, up to ``expect_s`` (the quiet gap ends an idle worker's gathering only once they have
+come). A stream that submits its job, or ends, is expected no more.
 
 Every method is thread-safe: the event loop puts jobs, the worker's flow thread takes them.
 """
@@ -135,19 +135,26 @@ class JobQueue:
 
     def _gather(self, idle: bool) -> None:
         """Wait (lock held, released while waiting) for the next step's jobs: until the queue holds
-        ``max_batch`` or is closed, or else until no job is expected (or ``expect_s`` has passed) and,
-        woken from idle, no job has come for ``gather_s`` (or ``gather_max_s`` has passed)."""
+        ``max_batch`` or is closed, or else until the jobs expected at this first look have come (or
+        ``expect_s`` has passed) and, woken from idle, no job has come for ``gather_s`` (or
+        ``gather_max_s`` has passed). Streams expected only later are not waited for: staggered
+        streams keep entering their last tokens, and every step would wait the whole ``expect_s``."""
         start = time.monotonic()
+        awaited = set(self._expected) if self.expect_s > 0 else set()
+
+        def expecting(waited: float) -> bool:
+            return waited < self.expect_s and not awaited.isdisjoint(self._expected)
+
         while not self._closed and len(self._jobs) < self.max_batch:
             waited = time.monotonic() - start
-            if self._expected and waited < self.expect_s:
+            if expecting(waited):
                 self._changed.wait(self.expect_s - waited)  # a put or an expectation ended wakes it
                 continue
             if not (idle and self.gather_s > 0 and waited < self.gather_max_s):
                 return
             count = len(self._jobs)
             self._changed.wait(min(self.gather_s, self.gather_max_s - waited))
-            if len(self._jobs) == count and not self._expected:
+            if len(self._jobs) == count and not expecting(time.monotonic() - start):
                 return
 
     def _select(self) -> list[Job]:

@@ -19,7 +19,9 @@ One more thing the two threads share: inductor symbolically traces (torch.fx) pa
 compiles, and torch.fx says so through a process-wide flag. A compiled function called on a serving
 thread meanwhile would raise ("FX to symbolically trace a dynamo-optimized function"; seen on an
 H100 while the start captured a bucket). ``compile`` turns that error off for the process, so such
-a call runs its function eagerly instead: the same arithmetic, slower for that one call.
+a call runs its function eagerly instead: the same arithmetic. Inside a serving thread's capture the
+graph then replays those eager kernels until it is captured again, which the compile's end brings
+(compiling.py: a graph captured before a compile ends is stale).
 """
 
 import contextlib
