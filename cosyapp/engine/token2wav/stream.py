@@ -161,31 +161,23 @@ class Stream:
         # The reader alone iterates `tokens`, so it alone closes them, on every way out.
         async with contextlib.aclosing(tokens):
             try:
-                await self._read_tokens(tokens, ready, on_tokens)
+                async for new in tokens:
+                    if self.first_tokens_at is None:
+                        self.first_tokens_at = time.monotonic()
+                    if on_tokens is not None:
+                        on_tokens(len(new))
+                    self.tokens.extend(new)
+                    while self.streaming and self.schedule.ready(len(self.tokens)):
+                        offset, end = self.schedule.advance()
+                        ready.put_nowait(self._submit(self.tokens[: end + PRE_LOOKAHEAD], offset, False))
+                    # Expected if the next arrival, as large as this one, may complete the next chunk.
+                    due_in = self.schedule.due_in(len(self.tokens))
+                    self._expect(self.streaming and due_in <= max(SOON_TOKENS, len(new)))
+                self._expect(False)  # the final job, if any, comes now
+                if len(self.tokens) > self.schedule.offset:
+                    ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
             finally:
                 self._expect(False)  # however the tokens ended (a failed LM, a frame limit)
-
-    async def _read_tokens(
-        self,
-        tokens: AsyncGenerator[list[int], None],
-        ready: asyncio.Queue,
-        on_tokens: Callable[[int], None] | None,
-    ) -> None:
-        async for new in tokens:
-            if self.first_tokens_at is None:
-                self.first_tokens_at = time.monotonic()
-            if on_tokens is not None:
-                on_tokens(len(new))
-            self.tokens.extend(new)
-            while self.streaming and self.schedule.ready(len(self.tokens)):
-                offset, end = self.schedule.advance()
-                ready.put_nowait(self._submit(self.tokens[: end + PRE_LOOKAHEAD], offset, False))
-            # Expected if the next arrival, as large as this one, may complete the next chunk.
-            due_in = self.schedule.due_in(len(self.tokens))
-            self._expect(self.streaming and due_in <= max(SOON_TOKENS, len(new)))
-        self._expect(False)  # the final job, if any, comes now
-        if len(self.tokens) > self.schedule.offset:
-            ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
 
     def _expect(self, soon: bool) -> None:
         if soon != self.expected and self.expect is not None:
