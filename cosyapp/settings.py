@@ -208,26 +208,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--gather-ms",
         type=float,
         default=float(_env("GATHER_MS", defaults.gather_ms)),
-        help="how long the token2wav worker, idle, waits for more chunks to come before its step (at most "
-        "20 ms), so chunks due at one LM step share a flow call; 0 = none (default: %(default)s; env "
-        "COSYAPP_GATHER_MS)",
+        help="how long the idle token2wav worker waits for more chunks before its step (at most 20 ms); "
+        "0 = none (default: %(default)s; env COSYAPP_GATHER_MS)",
     )
     add(
         "--expect-ms",
         type=float,
         default=float(_env("EXPECT_MS", defaults.expect_ms)),
         help="how long a token2wav step waits, at most, for the chunks of streams a token or two short "
-        "of theirs, so a stream one LM step ahead shares their flow call; 0 = none (default: "
-        "%(default)s; env COSYAPP_EXPECT_MS)",
+        "of theirs; 0 = none (default: %(default)s; env COSYAPP_EXPECT_MS)",
     )
     add(
         "--compile-flow",
         action="store_true",
         default=_flag("COMPILE_FLOW"),
-        help="compile the flow estimator with torch.compile (its forward whole, its transformer blocks "
-        "for the incremental flow): the first start compiles them, minutes on a GPU "
-        "(kept under --cache-dir for later starts); the same audio within float rounding (env "
-        "COSYAPP_COMPILE_FLOW=1)",
+        help="compile the flow estimator with torch.compile (its forward whole, the memory-bound pieces "
+        "of the incremental flow's blocks), minutes on a first start (kept under --cache-dir); the "
+        "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
     )
     add(
         "--compile-hift",

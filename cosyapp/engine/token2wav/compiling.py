@@ -37,7 +37,7 @@ import torch._dynamo.callback
 from torch import Tensor
 
 from cosyapp.engine.token2wav.turns import COMPILE_THREAD as THREAD
-from cosyapp.engine.token2wav.turns import TURNS
+from cosyapp.engine.token2wav.turns import TURNS, on_compile_thread
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class _CompileThread:
     def _note_compile(self, _) -> None:
         """Dynamo starts a compile: on another thread, a call's kind missed a guard of its graph
         (a serving thread then waits for the compile), or something else compiles there."""
-        if threading.current_thread().name != THREAD:
+        if not on_compile_thread():
             self.elsewhere += 1
             log.warning("dynamo compiles on %s, not on the compile thread", threading.current_thread().name)
 

@@ -115,7 +115,7 @@ class JobQueue:
 
     def take(self) -> list[Job] | None:
         """Block until there are jobs (and no hold), then remove and return the next step's batch,
-        gathered first if the queue was empty (module docstring); None once closed."""
+        gathered first (``_gather``: expected jobs, and a quiet gap after idling); None once closed."""
         with self._changed:
             idle, gathered = False, False
             while True:

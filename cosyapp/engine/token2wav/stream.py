@@ -92,7 +92,7 @@ class Stream:
     seed: int | None  # HiFT source noise; None: a random seed
     first_hop: int
     submit: Callable[[Job], None]  # puts a job on the worker's queue
-    # Tells the worker whether this stream's next job is SOON_TOKENS or fewer tokens away (scheduler.py).
+    # Tells the worker whether this stream's next job is about to come (``_read``; scheduler.py).
     expect: Callable[["Stream", bool], None] | None = None
     # Written by the event loop only.
     schedule: ChunkSchedule = field(init=False)
@@ -173,7 +173,6 @@ class Stream:
                     # Expected if the next arrival, as large as this one, may complete the next chunk.
                     due_in = self.schedule.due_in(len(self.tokens))
                     self._expect(self.streaming and due_in <= max(SOON_TOKENS, len(new)))
-                self._expect(False)  # the final job, if any, comes now
                 if len(self.tokens) > self.schedule.offset:
                     ready.put_nowait(self._submit(self.tokens, self.schedule.offset, True))
             finally:
