@@ -101,6 +101,28 @@ def test_a_waiting_run_goes_before_captures_that_come_after_it():
     assert order == ["run", "next capture"]
 
 
+def test_captures_on_two_threads_take_turns():
+    """torch.cuda.graph captures on one side stream shared by every capture: a second thread's
+    capture begun during the first would fail (seen on an H100), so it waits for the first to end."""
+    order: list[str] = []
+    first = TURNS.capture()
+    first.__enter__()
+    order.append("first began")
+
+    def capture():
+        with TURNS.capture():
+            order.append("second began")
+
+    capturer = threading.Thread(target=capture, name="incremental-capture")
+    capturer.start()
+    time.sleep(0.2)
+    assert order == ["first began"]  # the second waits
+    order.append("first ended")
+    first.__exit__(None, None, None)
+    capturer.join(10)
+    assert order == ["first began", "first ended", "second began"]
+
+
 class _HeldTrace(torch.nn.Module):
     """A module whose symbolic trace (torch.fx, as inductor's passes run it) stays in progress until
     ``release`` is set: the process-wide tracing flag stays up meanwhile."""

@@ -13,7 +13,13 @@ beside captures: the turn is taken around each run of a compiled graph, inside t
 ``compile`` gives torch.compile, and only on the compile thread. A serving thread's compiled calls,
 which may be part of its own capture, take no turn (their kernels were tuned on the compile thread,
 whose call of each kind comes first). Captures wait for at most one compiled run (about a second);
-the compile thread waits for the captures in progress, and captures asked for after it wait for it.
+the compile thread waits for the capture in progress, and captures asked for after it wait for it.
+
+Captures also take turns among themselves: one at a time in the process. ``torch.cuda.graph``
+captures on one side stream that every capture shares, and synchronises the device as it begins; a
+second thread's capture begun meanwhile fails (seen on an H100 while the compile thread recaptured
+the flow's buckets and the incremental flow's capture thread captured a new bucket: "Cannot register
+the state during capturing stage"), and the graph it leaves behind aborts the process when freed.
 
 One more thing the two threads share: inductor symbolically traces (torch.fx) parts of what it
 compiles, and torch.fx says so through a process-wide flag. A compiled function called on a serving
@@ -34,7 +40,7 @@ COMPILE_THREAD = "flow-compile"
 
 
 class Turns:
-    """Captures (any number at once, on any threads) against the compile thread's compiled runs."""
+    """Captures (one at a time, on any threads) against the compile thread's compiled runs."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -47,7 +53,7 @@ class Turns:
     def capture(self):
         with self._cond:
             # A run waiting goes first: a start's back-to-back captures would otherwise hold it off.
-            self._cond.wait_for(lambda: self._running == 0 and self.waiting_runs == 0)
+            self._cond.wait_for(lambda: self._captures == 0 and self._running == 0 and self.waiting_runs == 0)
             self._captures += 1
         self._mine.captures = self.captures_here() + 1
         try:
