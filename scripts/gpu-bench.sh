@@ -9,13 +9,28 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source scripts/gpu-env.sh
-# Inductor's kernels where scripts/gpu-experiments.sh leaves them (precompile: --compile-flow's graphs).
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor}
+# Inductor's kernels where scripts/gpu-experiments.sh leaves them (precompile: --compile-flow's graphs),
+# and vLLM's compile cache (its LM engine start took ~137 s without one on an H100): each from an
+# archive a run before wrote to $OUT, carried as .gpu-carry/NAME.tgz (left there, or moved to
+# /tmp/parts/ with the vLLM parts), and written to $OUT again at the end, new entries included.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache}
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$VLLM_CACHE_ROOT"
+for archive in .gpu-carry/inductor.tgz /tmp/parts/inductor.tgz; do
+    if [ -f "$archive" ]; then tar xzf "$archive" -C "$TORCHINDUCTOR_CACHE_DIR"; fi
+done
+for archive in .gpu-carry/vllm-cache.tgz /tmp/parts/vllm-cache.tgz; do
+    if [ -f "$archive" ]; then tar xzf "$archive" -C "$VLLM_CACHE_ROOT"; fi
+done
+keep_caches() {
+    tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . || true
+    tar czf "$OUT/vllm-cache.tgz" -C "$VLLM_CACHE_ROOT" . || true
+}
+trap keep_caches EXIT
 if [ "${GPU_BENCH_MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d
-    trap 'echo quit | nvidia-cuda-mps-control; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" || true' EXIT
+    trap 'keep_caches; echo quit | nvidia-cuda-mps-control; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" || true' EXIT
     echo "CUDA MPS control daemon started" | tee "$OUT/mps.txt"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -17,7 +17,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
-if [ -f .gpu-carry/inductor.tgz ]; then tar xzf .gpu-carry/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"; fi
+for archive in .gpu-carry/inductor.tgz /tmp/parts/inductor.tgz; do
+    if [ -f "$archive" ]; then tar xzf "$archive" -C "$TORCHINDUCTOR_CACHE_DIR"; fi
+done
 name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole or hift}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward

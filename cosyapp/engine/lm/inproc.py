@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from cosyapp.engine.cuda_streams import role_stream
+
 log = logging.getLogger(__name__)
 
 
@@ -187,7 +189,7 @@ class InprocLLM:
         """On a GPU, the engine's steps on a CUDA stream of their own (see the module docstring)."""
         if not torch.cuda.is_available():
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.Stream())
+        return torch.cuda.stream(role_stream("lm"))
 
 
 def _build(engine_args, stat_loggers):

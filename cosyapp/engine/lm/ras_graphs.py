@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.graphs import bucket, capture_graph
+from cosyapp.engine.token2wav.graphs import bucket
+from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.sampling import SamplingParams, draw_tokens, ras_distribution
 
 log = logging.getLogger(__name__)

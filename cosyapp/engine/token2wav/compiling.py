@@ -36,6 +36,7 @@ import torch
 import torch._dynamo.callback
 from torch import Tensor
 
+from cosyapp.engine.cuda_streams import role_stream
 from cosyapp.engine.token2wav.turns import COMPILE_THREAD as THREAD
 from cosyapp.engine.token2wav.turns import TURNS, on_compile_thread
 
@@ -278,7 +279,7 @@ class _CompileThread:
 
 def _own_stream(device: str):
     """A CUDA stream of the compile thread's own on a GPU, so its calls do not wait behind serving."""
-    return torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext()
+    return torch.cuda.stream(role_stream("compile")) if device == "cuda" else contextlib.nullcontext()
 
 
 COMPILER = _CompileThread()

@@ -13,22 +13,20 @@ limit, and padding would only add work.
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from cosyapp.engine.token2wav.compiling import COMPILER, Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
-from cosyapp.engine.token2wav.turns import graph_capture
+from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
     from cosyapp.models.cosyvoice2 import CosyVoice2
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (2, 4, 8, 16, 32, 64)  # estimator rows: CFG doubles the items, so up to 32 items
@@ -51,23 +49,6 @@ class _Captured(Captured):
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= value, or None past the last one."""
     return next((b for b in buckets if b >= value), None)
-
-
-def capture_graph(call: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``call`` captured into a CUDA graph drawing on memory ``pool``, and what the captured call
-    returned (its static outputs). Runs ``call`` twice on a side stream first, so lazy kernels and
-    workspaces settle outside the capture; the capture is thread-local, so other threads' CUDA work
-    cannot break it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with graph_capture(graph, pool):
-        output = call()
-    return graph, output
 
 
 class GraphedEstimator(nn.Module):
@@ -179,15 +160,7 @@ class GraphedEstimator(nn.Module):
             captured = _Captured(None, inputs, inputs[0], epoch=now)
         else:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
-                    self.estimator(*inputs, streaming)
-            torch.cuda.current_stream(x.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with graph_capture(graph, self._pool):
-                output = self.estimator(*inputs, streaming)
+            graph, output = capture_graph(lambda: self.estimator(*inputs, streaming), x.device, self._pool)
             captured = _Captured(graph, inputs, output, epoch=now)
         self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
 

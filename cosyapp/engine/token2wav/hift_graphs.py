@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
-from cosyapp.engine.token2wav.graphs import bucket, capture_graph
+from cosyapp.engine.token2wav.graphs import bucket
+from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
 
 log = logging.getLogger(__name__)

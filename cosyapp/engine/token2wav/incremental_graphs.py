@@ -13,7 +13,7 @@ from torch import Tensor
 
 from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
-from cosyapp.engine.token2wav.turns import graph_capture
+from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.flow_estimator import autocast_dtype
 
 if TYPE_CHECKING:
@@ -139,16 +139,10 @@ class IncrementalGraphs:
         # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
         static.write_rows.zero_()
         now = epoch()  # before running anything: a compile ending during the capture makes it stale
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lets lazy kernels and workspaces settle outside the capture
-                run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
-        torch.cuda.current_stream(dev).wait_stream(side)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with graph_capture(graph, self._pool):
-            x, tails = run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate)
+        graph, (x, tails) = capture_graph(
+            lambda: run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate), dev, self._pool
+        )
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
         # After a compile: in place of the old, which the flow thread may be replaying (compiling.py).

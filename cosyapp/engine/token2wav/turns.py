@@ -32,9 +32,14 @@ graph then replays those eager kernels until it is captured again, which the com
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+from cosyapp.engine.cuda_streams import role_stream
+
+T = TypeVar("T")
 
 COMPILE_THREAD = "flow-compile"
 
@@ -91,11 +96,24 @@ class Turns:
 TURNS = Turns()
 
 
-@contextlib.contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
-    """``torch.cuda.graph(graph, pool)``, thread-local, in its turn (see the module docstring)."""
-    with TURNS.capture(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        yield
+def capture_graph(call: Callable[[], T], device: torch.device, pool, warm_ups: int = 2):
+    """``call`` captured into a CUDA graph drawing on memory ``pool``: ``(graph, what the captured
+    call returned)`` (its static outputs). In its turn (module docstring), on the captures' own
+    stream (cosyapp/engine/cuda_streams.py), ``call`` runs ``warm_ups`` times first, so lazy kernels,
+    workspaces and cuDNN/cuFFT plans settle outside the capture; the capture is thread-local, so
+    other threads' CUDA work on their own streams cannot break it."""
+    caller = torch.cuda.current_stream(device)
+    stream = role_stream("capture", device)
+    with TURNS.capture():
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            for _ in range(warm_ups):
+                call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            output = call()
+        caller.wait_stream(stream)
+    return graph, output
 
 
 def on_compile_thread() -> bool:

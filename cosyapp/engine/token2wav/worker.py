@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyapp.engine.cuda_streams import role_stream
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.compiling import COMPILER
@@ -123,7 +124,7 @@ class Token2Wav:
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
             if self.cached is not None:
-                self.cached.start_captures(self._own_cuda_stream)
+                self.cached.start_captures(lambda: self._own_cuda_stream("flow-captures"))
             if self.overlap_hift:
                 self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
                 self._vocoder.start()
@@ -225,7 +226,7 @@ class Token2Wav:
     def _work(self) -> None:
         """The flow thread: each step's jobs through the flow, then to HiFT (here, or handed over)."""
         dtype = self.model.flow.input_embedding.weight.dtype
-        with torch.inference_mode(), self._own_cuda_stream():
+        with torch.inference_mode(), self._own_cuda_stream("flow"):
             while (jobs := self._queue.take()) is not None:
                 live = [job for job in jobs if job.stream.live]
                 self._stats.jobs_dropped += len(jobs) - len(live)
@@ -240,7 +241,7 @@ class Token2Wav:
 
     def _vocode_work(self) -> None:
         """The HiFT thread (overlap_hift): each handed-over step, in the order the flow finished them."""
-        with torch.inference_mode(), self._own_cuda_stream(first=self.hift_first):
+        with torch.inference_mode(), self._own_cuda_stream("hift", first=self.hift_first):
             while (jobs := self._handoff.get()) is not None:
                 self._vocode_step(jobs)
 
@@ -249,7 +250,7 @@ class Token2Wav:
             # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
             self._vocode([job for job in jobs_round if job.stream.live])
 
-    def _own_cuda_stream(self, first: bool = False):
+    def _own_cuda_stream(self, role: str, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
         kernels then overlap. A mel crosses between them only after its flow call has synchronised
         (``_timed``, ``_flow_batch``), and HiFT's inputs are freed after its copy to the CPU waited
@@ -258,7 +259,7 @@ class Token2Wav:
         if dev.type != "cuda":
             return contextlib.nullcontext()
         # ``first``: one priority higher (a lower number; torch clamps it to the device's range).
-        return torch.cuda.stream(torch.cuda.Stream(dev, priority=self.stream_priority - first))
+        return torch.cuda.stream(role_stream(role, dev, self.stream_priority - first))
 
     def _cost(self, job: Job) -> tuple[tuple, int]:
         """The flow call a job joins and the frames it pads that call to: its new frames in the
