@@ -11,16 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cosyapp.engine.token2wav.compiling import (
-    COMPILER,
-    Captured,
-    Deferred,
-    GraphTable,
-    epoch,
-    kind,
-    same_strides,
-)
+from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, epoch, kind, same_strides
 from cosyapp.engine.token2wav.fused import fuse_estimator
+from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
 
 
@@ -302,3 +295,30 @@ def test_a_replaced_graph_no_lookup_found_is_freed_at_once_and_one_per_key_stays
     assert first_gpu.waits == 1 and [freed(r) for r in refs] == [True, True, False]
     assert table.retired == 1 and table.older_than(3) == [] and table.older_than(4) == [("k", fourth)]
     assert not second_gpu.running
+
+
+@dataclass(kw_only=True)
+class _FlowGraph(Captured):
+    graph: None = None
+
+
+@dataclass(kw_only=True)
+class _HiftGraph(Captured):
+    family = "hift"
+    graph: None = None
+
+
+def test_a_compile_makes_only_its_own_familys_graphs_stale(fresh_compiles):
+    """HiFT's Snake compiled while streams are served must not send every flow graph to be captured
+    again (it did in an H100 engine run), nor a flow compile HiFT's graphs."""
+    flow_graph, hift_graph = _FlowGraph(epoch=epoch("flow")), _HiftGraph(epoch=epoch("hift"))
+    snake = Deferred("snake", mlp, torch.compile(mlp, backend=Recorder(), dynamic=True), family="hift")
+    x, w = torch.randn(5, 16), torch.randn(16, 16) / 4
+    snake(x, w)
+    assert COMPILER.wait(timeout_s=120)
+    assert hift_graph.stale and not flow_graph.stale
+    hift_graph = _HiftGraph(epoch=epoch("hift"))  # captured again after it
+    flow_fn = deferred(Recorder())
+    flow_fn(x.double(), w.double())
+    assert COMPILER.wait(timeout_s=120)
+    assert flow_graph.stale and not hift_graph.stale

@@ -82,9 +82,9 @@ def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model)
         fused_module._deferred_snake.cache_clear()  # a new compiled Snake: its kinds compile now
         fuse_hift(hift, background=True)
         first.append(call())  # replays the graph (eagerly here), which meets the Snakes' kinds
-        assert COMPILER.wait(timeout_s=600) and epoch() > graph.epoch
+        assert COMPILER.wait(timeout_s=600) and epoch("hift") > graph.epoch
         again = call()
-    assert runner._graphs[key].epoch == epoch() and runner._graphs[key] is not graph
+    assert runner._graphs[key].epoch == epoch("hift") and runner._graphs[key] is not graph
     assert runner._graphs.retired == 0  # the replaced graph is freed: its call found the new one
     for got in (*first, again):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -11,11 +11,15 @@ compiled. So a server starts and serves at once, eagerly, and its flow turns com
 minutes; from inductor's cache (kept under the serving cache folder) within seconds.
 
 The CUDA graphs of the flow and HiFT (graphs.py, incremental_graphs.py, hift_graphs.py) replay what
-their capture ran. Each is kept in a ``GraphTable`` as a ``Captured`` with the ``epoch`` it was
-captured in; when the compile thread's queue runs dry after compiling, the epoch moves on and it
-calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its owner captures it
-again (the hook, or the next call that meets it), in place of the old, which serves until then and
-is freed once no replay can use it, so the graphs replay compiled kernels.
+their capture ran. Each is kept in a ``GraphTable`` (graph_table.py) as a ``Captured`` with the
+``epoch`` it was captured in; when the compile thread's queue runs dry after compiling, the epoch
+moves on and it calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its
+owner captures it again (the hook, or the next call that meets it), in place of the old, which
+serves until then and is freed once no replay can use it, so the graphs replay compiled kernels.
+Epochs are per family: the flow's graphs call only the flow's compiled functions and HiFT's only
+HiFT's Snake, so a Snake compiled while streams are served leaves the flow's graphs as they are (it
+made every incremental bucket stale, captured again mid-serving, in an H100 engine run:
+docs/benchmarks/README.md).
 
 Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
 the compile thread compiles it, and the compiled graph then serves every copy of the module
@@ -28,9 +32,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 import torch
 import torch._dynamo.callback
@@ -120,8 +124,9 @@ class Deferred:
     arguments whose compiled call changes nothing a serving call reads (clone_args, or see
     compiled_blocks.py for a call that writes the page pool)."""
 
-    def __init__(self, name: str, eager: Callable, compiled: Callable, copy_args=clone_args):
+    def __init__(self, name: str, eager: Callable, compiled: Callable, copy_args=clone_args, family="flow"):
         self.name, self.eager, self.compiled, self.copy_args = name, eager, compiled, copy_args
+        self.family = family  # the graphs that call it (module docstring)
         self.ready: set[tuple] = set()
         self.pending: set[tuple] = set()
         self.failed: set[tuple] = set()
@@ -178,8 +183,8 @@ class _CompileThread:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._outstanding = 0  # requests submitted and not yet done, their recaptures included
-        self._hooks: list[weakref.WeakMethod] = []
-        self.epoch = 0
+        self._hooks: list[tuple[weakref.WeakMethod, str]] = []  # (hook, family)
+        self.epochs: Counter[str] = Counter()  # per family (module docstring)
         self.compiled = 0  # kinds compiled, failures included
         self.elsewhere = 0  # compiles dynamo started on other threads since this thread started
         self.seconds = 0.0
@@ -200,11 +205,12 @@ class _CompileThread:
             self.elsewhere += 1
             log.warning("dynamo compiles on %s, not on the compile thread", threading.current_thread().name)
 
-    def on_epoch(self, hook: Callable[[int], None]) -> None:
-        """Call the bound method ``hook(epoch)`` on the compile thread each time the epoch moves on,
-        for as long as its object lives."""
+    def on_epoch(self, hook: Callable[[int], None], family: str = "flow") -> None:
+        """Call the bound method ``hook(epoch)`` on the compile thread each time ``family``'s epoch
+        moves on, for as long as its object lives."""
         with self._lock:
-            self._hooks = [h for h in self._hooks if h() is not None] + [weakref.WeakMethod(hook)]
+            live = [(h, f) for h, f in self._hooks if h() is not None]
+            self._hooks = [*live, (weakref.WeakMethod(hook), family)]
 
     @property
     def settled(self) -> bool:
@@ -230,17 +236,18 @@ class _CompileThread:
         return True
 
     def _run(self) -> None:
-        done = 0
+        done, families = 0, set()
         while True:
             request = self._queue.get()
             self._compile(request)
             done += 1
+            families.add(request.fn.family)
             if self._queue.empty():
-                self.epoch += 1
-                self._recapture()
+                self.epochs.update(families)
+                self._recapture(families)
                 with self._lock:
                     self._outstanding -= done
-                done = 0
+                done, families = 0, set()
 
     def _compile(self, request: _Request) -> None:
         fn, started = request.fn, time.perf_counter()
@@ -265,14 +272,14 @@ class _CompileThread:
             self.compiled += 1
             self.seconds += time.perf_counter() - started
 
-    def _recapture(self) -> None:
+    def _recapture(self, families: set[str]) -> None:
         with self._lock:
-            hooks = [h() for h in self._hooks]
-        for hook in hooks:
+            hooks = [(h(), f) for h, f in self._hooks if f in families]
+        for hook, family in hooks:
             if hook is None:
                 continue
             try:
-                hook(self.epoch)
+                hook(self.epochs[family])
             except Exception:  # the older graphs serve on
                 log.exception("recapturing graphs after a compile failed")
 
@@ -285,116 +292,7 @@ def _own_stream(device: str):
 COMPILER = _CompileThread()
 
 
-def epoch() -> int:
-    """The compile thread's epoch: a graph captured in an earlier one may replay eager kernels."""
-    return COMPILER.epoch
-
-
-@dataclass(kw_only=True)
-class Captured:
-    """What a GraphTable holds: its subclass's ``graph`` (a CUDA graph, or None where the call runs
-    eagerly) and the compile epoch it was captured in, read before the capture ran anything (a
-    compile that ends meanwhile leaves the graph stale)."""
-
-    epoch: int
-    # A CUDA graph's: recorded after each replay, on the stream it ran on (GraphTable frees by it).
-    ended: "torch.cuda.Event | None" = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if isinstance(getattr(self, "graph", None), torch.cuda.CUDAGraph):
-            self.ended = torch.cuda.Event()
-
-    @property
-    def stale(self) -> bool:
-        """Captured before the compile thread's latest compiles: it may replay eager kernels."""
-        return self.epoch < COMPILER.epoch
-
-    def replay(self) -> None:
-        self.graph.replay()
-        if self.ended is not None:
-            self.ended.record()
-
-
-C = TypeVar("C", bound=Captured)
-
-
-class GraphTable(Generic[C]):
-    """An owner's captured graphs by key (graphs.py, hift_graphs.py, incremental_graphs.py). A graph
-    is captured again once stale (``Captured.stale``, ``older_than``), on whichever thread its owner
-    captures, and ``put`` in place of the old one, which is freed once no replay can use it.
-
-    One thread at a time serves the owner's calls, on a CUDA stream of its own (worker.py): it finds
-    each graph it replays by a ``lookup`` (a graph it has just captured too) and replays it before
-    its next lookup. Lookups and puts hold one lock: a lookup is wholly before a put, and may find
-    the old graph, or wholly after it, and finds the new one. So a replaced graph that a lookup found
-    is safe to free once (1) a later lookup has started: the serving thread has launched every
-    replay of it, and none will find it again; and (2) its ``ended`` event has passed: its last
-    replay, and with it every earlier one on that stream, has finished on the GPU, so no kernel
-    reads its memory any more (its outputs' blocks go back to the shared pool, where a later capture
-    may take them). Lookups free such graphs, as (1) holds then. A replaced graph no lookup found is
-    freed at once. At most one replaced graph per key stays: when another replaces the one that
-    replaced it, which a lookup found after the put (else it goes at once), (1) holds for the older,
-    and the putting thread waits for its event."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._graphs: dict[Hashable, C] = {}
-        self._found: set[Hashable] = set()  # keys whose graph a lookup has found since its put
-        self._retired: dict[Hashable, C] = {}  # replaced, found by a lookup, maybe still replaying
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter([key for key, _ in self.items()])
-
-    def __getitem__(self, key: Hashable) -> C:
-        return self._graphs[key]
-
-    def items(self) -> list[tuple[Hashable, C]]:
-        with self._lock:
-            return list(self._graphs.items())
-
-    @property
-    def retired(self) -> int:
-        """Replaced graphs not freed yet."""
-        return len(self._retired)
-
-    def lookup(self, key: Hashable) -> C | None:
-        """The graph a call of ``key`` replays, or None where none is captured. The serving thread's
-        only way to a graph; it frees the replaced graphs whose last replay has ended."""
-        with self._lock:
-            if self._retired:
-                for old in [k for k, g in self._retired.items() if g.ended is None or g.ended.query()]:
-                    del self._retired[old]
-            graph = self._graphs.get(key)
-            if graph is not None:
-                self._found.add(key)
-            return graph
-
-    def older_than(self, epoch: int) -> list[tuple[Hashable, C]]:
-        """The graphs captured before ``epoch``, to capture again."""
-        return [(key, graph) for key, graph in self.items() if graph.epoch < epoch]
-
-    def put(self, key: Hashable, graph: C) -> None:
-        """``graph`` in place of ``key``'s, if any: that one is kept while a replay may use it."""
-        older = None
-        with self._lock:
-            old = self._graphs.get(key)
-            self._graphs[key] = graph
-            if old is not None and key in self._found:
-                self._found.discard(key)
-                older = self._retired.pop(key, None)
-                self._retired[key] = old
-        if older is not None and older.ended is not None:
-            older.ended.synchronize()  # its last replay, launched before a lookup found ``old``
-
-    def clear(self) -> None:
-        """Drop every graph (their owner is stopped for good: none replays any more)."""
-        with self._lock:
-            self._graphs.clear()
-            self._found.clear()
-            self._retired.clear()
+def epoch(family: str = "flow") -> int:
+    """The compile thread's epoch of ``family``: a graph of that family captured in an earlier one
+    may replay eager kernels."""
+    return COMPILER.epochs[family]

@@ -133,7 +133,7 @@ def _compiled_snake(mode: str | None):
 
 @functools.cache
 def _deferred_snake(mode: str | None) -> Deferred:
-    return Deferred("HiFT's Snake", snake, _compiled_snake(mode))
+    return Deferred("HiFT's Snake", snake, _compiled_snake(mode), family="hift")
 
 
 def _snake_with(compiled, module: Snake, x: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.compiling import COMPILER, Captured, GraphTable, epoch
+from cosyapp.engine.token2wav.compiling import COMPILER, epoch
 from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
+from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.flow_estimator import autocast_dtype
 

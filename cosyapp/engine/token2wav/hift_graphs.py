@@ -22,11 +22,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
+from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.hift import HiFTGenerator, SourceNoise
@@ -44,6 +46,7 @@ MAX_CELLS = 16384
 
 @dataclass
 class _Graph(Captured):
+    family: ClassVar[str] = "hift"  # its graph calls HiFT's compiled Snakes only
     graph: torch.cuda.CUDAGraph | None  # None: padded and run eagerly (``capture=False``)
     mel: Tensor  # (bucket, 80, frames)
     cache: Tensor | None  # (bucket, 1, cached samples)
@@ -143,7 +146,7 @@ class HiFTRunner:
             # The warm-up's draws come from a generator of its own: the streams' stay untouched.
             own = torch.Generator(dev).manual_seed(0)
             noise = self.hift.draw_noise(static_mel, [own] * rows)
-            now = epoch()  # before running anything: a compile ending during the capture makes it stale
+            now = epoch("hift")  # before running anything: a compile ending during the capture makes it stale
             if not self.capture:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
                 self._graphs.put(

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import Captured, GraphTable, epoch
+from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
 from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.flow_estimator import autocast_dtype
