@@ -113,10 +113,10 @@ class IncrementalGraphs:
             if not self._missed:
                 return False
             key, (like, copied) = next(iter(self._missed.items()))
-        torch.cuda.current_stream(like.x.device).wait_event(copied)
         dtype = key[-1]
         started = time.perf_counter()
-        try:
+        try:  # whatever fails, the bucket leaves _missed: warm-ups wait for it to (graphs_settled)
+            torch.cuda.current_stream(like.x.device).wait_event(copied)
             with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
                 self._capture(key, like)
         except Exception:  # out of memory, or any other failure: the worker serves on
