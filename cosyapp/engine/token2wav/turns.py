@@ -116,6 +116,14 @@ def capture_graph(call: Callable[[], T], device: torch.device, pool, warm_ups: i
     return graph, output
 
 
+def empty_cache() -> None:
+    """``torch.cuda.empty_cache()`` in a turn of a capture's: the frees synchronise the device, which
+    another thread's capture in progress would not survive."""
+    if torch.cuda.is_initialized():
+        with TURNS.capture():
+            torch.cuda.empty_cache()
+
+
 def on_compile_thread() -> bool:
     return threading.current_thread().name == COMPILE_THREAD
 
