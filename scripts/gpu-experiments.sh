@@ -7,7 +7,8 @@
 # serve (--compile-flow against eager, both flow paths, the attention-inputs pool as served),
 # blocks (the same with the incremental step's transformer blocks compiled whole, not served),
 # step (the incremental step and the whole-clip forward compiled whole, against eager),
-# step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift).
+# step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift),
+# hift-cold (eager HiFT's first call at batch sizes not run before, against its second).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
 # scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz (the
 # compiled kernels; put back as .gpu-carry/inductor.tgz, a later run starts from them) to $OUT.
@@ -20,7 +21,7 @@ mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
 for archive in .gpu-carry/inductor.tgz /tmp/parts/inductor.tgz; do
     if [ -f "$archive" ]; then tar xzf "$archive" -C "$TORCHINDUCTOR_CACHE_DIR"; fi
 done
-name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole or hift}
+name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift or hift-cold}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward
 case "$name" in
@@ -36,6 +37,7 @@ step-autotune) run=(env FLOW_CACHE_COMPILE_SCOPE=step FLOW_CACHE_BATCHES=16,64
 whole) run=(env FLOW_PROFILE_BATCHES= FLOW_PROFILE_WHOLE=23,64 FLOW_PROFILE_WHOLE_VARIANTS=$whole_variants
     python scripts/flow_profile.py "$OUT/$name.json") ;;
 hift) run=(python scripts/hift_speed.py "$OUT/$name.json") ;;
+hift-cold) run=(env HIFT_SPEED_COLD=1 python scripts/hift_speed.py "$OUT/$name.json") ;;
 *) echo "unknown experiment: $name" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

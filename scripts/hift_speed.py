@@ -12,6 +12,12 @@ compiled call's time (the compile). Then the eager call at batch 16 of 100 frame
 torch.profiler: kernel time by category (convolution, elementwise, FFT, copies), to show what HiFT's
 time is made of.
 
+HIFT_SPEED_COLD=1 instead times eager HiFT's first call at each of several batch sizes no call
+has run before (a chunk of 100 new frames), against its second call: a new shape may pay for
+choosing its convolutions' and FFTs' plans on the host (in an H100 engine run the first chunk's HiFT
+took 530-557 ms at 64 streams where the batch size was new to that engine, 67 ms where it was not;
+docs/benchmarks/README.md).
+
 HIFT_SPEED_SMOKE=1: every path once on the CPU at batch 1 and 2 (no timing value), to check the script.
 """
 
@@ -34,6 +40,8 @@ DEVICE = torch.device("cpu" if SMOKE else "cuda")
 CHUNKS = ((108, (1, 2) if SMOKE else (1, 16, 64)), (208, () if SMOKE else (1, 16, 64)))
 WHOLE = (520, (1,) if SMOKE else (1, 16))
 CACHED_SOURCE = 3840  # samples of the previous chunk's source a chunk call continues from
+COLD = os.environ.get("HIFT_SPEED_COLD") == "1"
+COLD_BATCHES = (1, 2) if SMOKE else (1, 3, 5, 7, 13, 21, 37, 61, 64)  # each met for the first time
 
 
 def sync() -> None:
@@ -131,6 +139,9 @@ def main() -> None:
             json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
     emit({"check": "setup", "snakes": snakes})
+    if COLD:
+        cold_shapes(eager, emit)
+        return
     first_compiled = True
     for frames, batches, streaming in (*((f, b, True) for f, b in CHUNKS), (*WHOLE, False)):
         for batch in batches:
@@ -173,6 +184,28 @@ def main() -> None:
                     **profiled(lambda h=h: vocode(h, mel, cache)),
                 }
             )
+
+
+def cold_shapes(hift, emit) -> None:
+    """The first call at each batch size in COLD_BATCHES (none run before) against the second."""
+    for batch in COLD_BATCHES:
+        mel, cache = inputs(batch, 108, True)
+        calls = []
+        for _ in range(2):
+            sync()
+            started = time.perf_counter()
+            vocode(hift, mel, cache)
+            sync()
+            calls.append((time.perf_counter() - started) * 1000)
+        emit(
+            {
+                "check": "cold",
+                "batch": batch,
+                "mel_frames": 108,
+                "first_ms": round(calls[0], 2),
+                "second_ms": round(calls[1], 2),
+            }
+        )
 
 
 if __name__ == "__main__":
