@@ -28,6 +28,7 @@ from pathlib import Path
 from cosyapp.bench.drivers import DRIVERS
 from cosyapp.bench.load import MODEL_RATIO, TEXT_SETS
 from cosyapp.bench.report import plot_paths, write_plots
+from cosyapp.bench.stall import stall_dumps
 from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
@@ -131,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULTS.first_hop,
         help="speech tokens of a stream's first chunk (default: %(default)s)",
+    )
+    add(
+        "--stall-dump-s",
+        type=float,
+        default=300.0,
+        help="print every thread's stack to stderr whenever this long passes without a level or a "
+        "warm-up finishing (cosyapp/bench/stall.py; 0: never; default: %(default)s)",
     )
     add("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
     add(
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     levels_file(args.out).unlink(missing_ok=True)
-    with _engine_log(args.out):
+    with _engine_log(args.out), stall_dumps(args.stall_dump_s, sys.stderr):
         result = asyncio.run(run(args))
     result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["options"].items()}
     result["plots"] = {name: str(path) for name, path in plot_paths(args.out).items()}

@@ -28,6 +28,7 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
+from cosyapp.bench.stall import progress
 from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside, prepare_flow
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
@@ -60,6 +61,7 @@ async def run(args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             await pipeline.start(warm_up=device.type != "cpu")
             startup = time.perf_counter() - started
+            progress()
             stack.push_async_callback(pipeline.shutdown)
             if options.compile_flow:
                 started = time.perf_counter()
@@ -176,8 +178,10 @@ async def _measure_variant(
     with tqdm(total=None, unit="req", desc=f"variant {name}", disable=None) as progress:
         with decoding_ratio(pipeline.model, texts[0].ratio):
             await pipeline.warm_up_token2wav()
+            progress()
             await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
             await pipeline.token2wav.graphs_settled()
+            progress()
             waited = {}
             if compiles:  # the wait, and what the compile thread had compiled when the levels began
                 started = time.perf_counter()
@@ -201,6 +205,7 @@ def levels_file(out: Path) -> Path:
 
 
 def _keep(args: argparse.Namespace, level: dict) -> None:
+    progress()  # a level finished (stall.py)
     with levels_file(args.out).open("a") as file:
         file.write(json.dumps(level) + "\n")
 
