@@ -64,6 +64,8 @@ class ServeOptions:
         shares their flow call instead of holding them back by a whole call; 0 = none (at most 50).
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
+    flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
+        the step's recompute calls (engine/token2wav/worker.py ``_flow``); not measured yet, so off.
     hift_first: on a GPU, HiFT's CUDA stream one priority above the flow's, so a step's HiFT kernels
         run before the next flow call's when both wait (engine/token2wav/worker.py): its audio goes
         out without waiting for that call; False gives both the same priority. With --lm-in-process
@@ -109,6 +111,7 @@ class ServeOptions:
     expect_ms: float = 20.0
     text_lanes: int = 0
     overlap_hift: bool = True
+    flow_overlap: bool = False
     token2wav_priority: int = 0
     hift_first: bool = True
     hift_graphs: bool = False

@@ -41,15 +41,22 @@ def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1e-3, float(np.abs(b).max())))
 
 
-@pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
-def test_cached_streams_give_the_recompute_audio(tiny_model, inputs):
+@pytest.mark.parametrize(
+    ("inputs", "overlap"),
+    [(False, False), (True, False), (True, True)],
+    ids=["keys-values", "attention-inputs", "attention-inputs-overlapped"],
+)
+def test_cached_streams_give_the_recompute_audio(tiny_model, inputs, overlap):
+    """overlap: each step's incremental calls launched unwaited (on a GPU, on a stream of their own)
+    before its recompute calls, and waited for after them (worker.py ``_flow``)."""
     want = _run(tiny_model, lambda e: streams(e, SPECS))
 
     async def main(engine):
         got = await streams(engine, SPECS)
         return got, engine.cached, engine.stats()
 
-    got, cached, stats = _run(tiny_model, main, flow_cache_bytes=POOL, flow_cache_inputs=inputs)
+    options = {"flow_cache_inputs": inputs, "flow_overlap": overlap}
+    got, cached, stats = _run(tiny_model, main, flow_cache_bytes=POOL, **options)
     for g, w in zip(got, want, strict=True):
         assert_same_chunks(g, w)
     assert cached.pool.inputs == inputs
@@ -61,6 +68,8 @@ def test_cached_streams_give_the_recompute_audio(tiny_model, inputs):
     assert stats.recompute_jobs == len(SPECS) and stats.incremental_jobs == chunks - len(SPECS)
     assert stats.flow_cache_fallbacks == 0 and stats.flow_cache_pages == cached.pool.pages
     assert 0 <= stats.flow_cache_least_free < cached.pool.pages - held
+    # Streams of different lengths: some steps held one stream's last chunk and others' chunks.
+    assert (stats.overlapped_steps > 0) == overlap
 
 
 def test_a_full_pool_falls_back_to_recomputing_with_the_same_audio(tiny_model):

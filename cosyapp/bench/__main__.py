@@ -44,6 +44,7 @@ VARIANT_FIELDS = (
     "gather_ms",
     "expect_ms",
     "overlap_hift",
+    "flow_overlap",
     "max_batch",
     "token2wav_priority",
     "hift_first",

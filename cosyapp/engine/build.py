@@ -169,6 +169,7 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         gather_ms=options.gather_ms,
         expect_ms=options.expect_ms,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
+        flow_overlap=options.flow_overlap and on_gpu,
         stream_priority=options.token2wav_priority,
         hift_first=options.hift_first and on_gpu and options.overlap_hift,  # its own stream only then
         hift_graphs=options.hift_graphs and on_gpu,

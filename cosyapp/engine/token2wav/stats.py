@@ -16,6 +16,7 @@ class Token2WavStats:
     queue_depth: int = 0  # jobs waiting for the worker
     flow_calls: int = 0
     flow_seconds: float = 0.0  # wall time of flow calls, device work included
+    overlapped_steps: int = 0  # steps whose incremental call ran beside recompute calls (flow_overlap)
     hift_calls: int = 0
     hift_seconds: float = 0.0
     # The incremental flow's CUDA graphs: calls that ran eagerly for want of their bucket's graph,

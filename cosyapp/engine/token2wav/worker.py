@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from cosyapp.engine.cuda_streams import role_stream
 from cosyapp.engine.token2wav.cached import CachedFlow
@@ -40,6 +39,7 @@ from cosyapp.engine.token2wav.jobs import failing, recompute, retry_in_halves, r
 from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, Stream, stamp
+from cosyapp.engine.token2wav.vocoding import Vocoding
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
@@ -64,8 +64,9 @@ class Token2Wav:
     reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
     streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
-    hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). Jobs submitted before start()
-    wait for it.
+    hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). flow_overlap: a step's
+    incremental call on a CUDA stream of its own beside its recompute calls (``_flow``). Jobs
+    submitted before start() wait for it.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Token2Wav:
         stream_priority: int = DEFAULTS.token2wav_priority,
         hift_first: bool = False,
         hift_graphs: bool = False,
+        flow_overlap: bool = False,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -97,14 +99,14 @@ class Token2Wav:
         self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
-        self.overlap_hift = overlap_hift
-        self.hift_runner = HiFTRunner(model.hift, hift_graphs)
+        self.overlap_hift, self.flow_overlap = overlap_hift, flow_overlap
         self.stream_priority, self.hift_first = stream_priority, hift_first
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
         self._handoff: queue.Queue[list[Job] | None] = queue.Queue(HANDOFF_STEPS)
         self._stopped = False
         self._stats = Token2WavStats()
+        self.vocoding = Vocoding(HiFTRunner(model.hift, hift_graphs), self._stats, model.sample_rate)
         self.cached: CachedFlow | None = None
         dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
         flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
@@ -237,18 +239,13 @@ class Token2Wav:
                 if self.overlap_hift:
                     self._handoff.put(live)  # waits while HANDOFF_STEPS steps are ahead of HiFT
                 else:
-                    self._vocode_step(live)
+                    self.vocoding.step(live)
 
     def _vocode_work(self) -> None:
         """The HiFT thread (overlap_hift): each handed-over step, in the order the flow finished them."""
         with torch.inference_mode(), self._own_cuda_stream("hift", first=self.hift_first):
             while (jobs := self._handoff.get()) is not None:
-                self._vocode_step(jobs)
-
-    def _vocode_step(self, jobs: list[Job]) -> None:
-        for jobs_round in rounds(jobs):
-            # A failed job ends its stream, and a consumer may leave meanwhile: skip those.
-            self._vocode([job for job in jobs_round if job.stream.live])
+                self.vocoding.step(jobs)
 
     def _own_cuda_stream(self, role: str, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
@@ -274,9 +271,34 @@ class Token2Wav:
 
     def _flow(self, jobs: list[Job]) -> None:
         """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
-        recompute call per (streaming, finalize) mode for the rest."""
+        recompute call per (streaming, finalize) mode for the rest. With flow_overlap the incremental
+        calls run on a CUDA stream of their own, unwaited, while this thread launches the recompute
+        calls (a step at 128-256 streams holds both, each too small to fill the GPU alone), and the
+        step ends once both are done: their mels are complete before HiFT reads them."""
+        taken = []
         if self.cached is not None:
-            jobs = self._incremental(jobs)
+            beside = self.flow_overlap
+            with self._beside() if beside else contextlib.nullcontext():
+                rest = self._incremental(jobs, sync=not beside)
+            taken, jobs = [job for job in jobs if job not in rest], rest
+        self._recompute(jobs)
+        if taken and self.flow_overlap:
+            self._stats.overlapped_steps += bool(jobs)
+            started = time.monotonic()
+            if self.model.device.type == "cuda":
+                role_stream("flow-beside", self.model.device, self.stream_priority).synchronize()
+            self._stats.flow_seconds += stamp(taken, "flow_end") - started
+
+    def _beside(self):
+        """The incremental calls' CUDA stream (flow_overlap), after this thread's work so far."""
+        dev = self.model.device
+        if dev.type != "cuda":
+            return contextlib.nullcontext()
+        beside = role_stream("flow-beside", dev, self.stream_priority)
+        beside.wait_stream(torch.cuda.current_stream(dev))
+        return torch.cuda.stream(beside)
+
+    def _recompute(self, jobs: list[Job]) -> None:
         self._stats.recompute_jobs += len(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
@@ -285,9 +307,11 @@ class Token2Wav:
             flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
             retry_in_halves(group, flow, lambda batch: batch, "flow")
 
-    def _incremental(self, jobs: list[Job]) -> list[Job]:
+    def _incremental(self, jobs: list[Job], sync: bool = True) -> list[Job]:
         """Run the jobs the incremental flow takes, a round of at most one job per stream at a time
-        (a stream's next chunk starts from this one's pages); returns the jobs left to recompute."""
+        (a stream's next chunk starts from this one's pages); returns the jobs left to recompute.
+        sync False: launched, not waited for (flow_overlap; the rounds follow each other on the
+        stream)."""
         cached = self.cached
         assert cached is not None
         cached.sweep()
@@ -301,7 +325,7 @@ class Token2Wav:
             rest = [job for job in jobs if job not in taken and job.stream.live]
 
             def run(batch: list[Job]) -> None:
-                refused = self._timed(cached.run, batch)
+                refused = self._timed(cached.run, batch, sync)
                 self._stats.incremental_jobs += len(batch) - len(refused)
                 rest.extend(refused)
 
@@ -318,11 +342,12 @@ class Token2Wav:
                 cached.release(job.stream)  # its last chunk is a full recompute: no pages needed
         return rest
 
-    def _timed(self, run, jobs: list[Job]):
-        """``run(jobs)``, one flow call, counted in the stats and stamped on its jobs."""
+    def _timed(self, run, jobs: list[Job], sync: bool = True):
+        """``run(jobs)``, one flow call, counted in the stats and stamped on its jobs (sync False:
+        its launch only; ``_flow`` waits for it and stamps its end)."""
         started = stamp(jobs, "flow_start")
         result = run(jobs)
-        if self.model.device.type == "cuda":
+        if sync and self.model.device.type == "cuda":
             # This thread's CUDA stream only (count its device time, not just the launches); a
             # device-wide synchronise would also wait for the HiFT thread's work.
             torch.cuda.current_stream(self.model.device).synchronize()
@@ -340,56 +365,3 @@ class Token2Wav:
         mels = self._timed(call, jobs)
         for job, mel in zip(jobs, mels, strict=True):
             job.mel = mel
-
-    def _vocode(self, jobs: list[Job]) -> None:
-        """HiFT for at most one job per stream, batching jobs whose HiFT inputs have equal length.
-
-        HiFT's convolutions are not causal (they look both ways, and the iSTFT overlaps), so padding a
-        shorter mel would change the end of its audio: only equal lengths share a call, the rest run
-        in their own groups.
-        """
-        groups: dict[tuple[int, bool], list[tuple[Job, Tensor]]] = {}
-        for job in jobs:
-            with failing([job], "speed change"):
-                mel = job.stream.hift_input(job)
-                has_cache = job.stream.overlap.source is not None
-                groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
-        for group in groups.values():
-            retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
-
-    def _vocode_group(self, group: list[tuple[Job, Tensor]]) -> None:
-        """One HiFT call for the group, then each job's cross-fade and delivery.
-
-        Raises what the HiFT call raised, with every stream's noise generator as it was before it.
-        """
-        generators = [job.stream.generator for job, _ in group]
-        noise_states = [g.get_state() for g in generators]
-        jobs = [job for job, _ in group]
-        started = stamp(jobs, "hift_start")
-        try:
-            speech, source = self._hift(group)  # ends with a copy to the CPU, so the device work is done
-        except Exception:
-            for generator, state in zip(generators, noise_states, strict=True):
-                generator.set_state(state)  # a retry then draws the same noise as a first try
-            raise
-        self._stats.hift_calls += 1
-        self._stats.hift_seconds += stamp(jobs, "hift_end") - started
-        for i, (job, mel) in enumerate(group):
-            with failing([job], "cross-fade"):
-                audio = job.stream.overlap.finish(mel, speech[i], source[i], final=job.finalize)
-                self._stats.jobs_done += 1
-                job.stream.delivered(len(audio) / self.model.sample_rate)
-                job.resolve(audio=audio.numpy().copy())
-
-    def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
-        """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
-        streams = [job.stream for job, _ in group]
-        caches = [stream.overlap.source for stream in streams]
-        speech, source = self.hift_runner(
-            torch.stack([mel for _, mel in group]),
-            None if caches[0] is None else torch.stack(caches),
-            [stream.generator for stream in streams],
-        )
-        self._stats.last_hift_batch = len(group)
-        self._stats.max_hift_batch = max(self._stats.max_hift_batch, len(group))
-        return speech.cpu(), source
