@@ -286,7 +286,8 @@ class Token2Wav:
             self._stats.overlapped_steps += bool(jobs)
             started = time.monotonic()
             if self.model.device.type == "cuda":
-                role_stream("flow-beside", self.model.device, self.stream_priority).synchronize()
+                with failing(taken, "flow"):  # an error of the unwaited calls surfaces here
+                    role_stream("flow-beside", self.model.device, self.stream_priority).synchronize()
             self._stats.flow_seconds += stamp(taken, "flow_end") - started
 
     def _beside(self):
