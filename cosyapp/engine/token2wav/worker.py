@@ -300,6 +300,7 @@ class Token2Wav:
         return torch.cuda.stream(beside)
 
     def _recompute(self, jobs: list[Job]) -> None:
+        """One padded recompute call per (streaming, finalize) mode, each waited for (``_timed``)."""
         self._stats.recompute_jobs += len(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
