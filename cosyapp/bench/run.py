@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cosyapp.bench import baselines as base
+from cosyapp.bench import stall
 from cosyapp.bench.browser import BrowserDriver
 from cosyapp.bench.drivers import GradioDriver, OpenAIDriver, PipelineDriver
 from cosyapp.bench.levels import Driver, measure
@@ -28,7 +29,6 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.bench.stall import progress
 from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside, prepare_flow
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
@@ -61,7 +61,7 @@ async def run(args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             await pipeline.start(warm_up=device.type != "cpu")
             startup = time.perf_counter() - started
-            progress()
+            stall.progress()
             stack.push_async_callback(pipeline.shutdown)
             if options.compile_flow:
                 started = time.perf_counter()
@@ -178,10 +178,10 @@ async def _measure_variant(
     with tqdm(total=None, unit="req", desc=f"variant {name}", disable=None) as progress:
         with decoding_ratio(pipeline.model, texts[0].ratio):
             await pipeline.warm_up_token2wav()
-            progress()
+            stall.progress()
             await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
             await pipeline.token2wav.graphs_settled()
-            progress()
+            stall.progress()
             waited = {}
             if compiles:  # the wait, and what the compile thread had compiled when the levels began
                 started = time.perf_counter()
@@ -205,7 +205,7 @@ def levels_file(out: Path) -> Path:
 
 
 def _keep(args: argparse.Namespace, level: dict) -> None:
-    progress()  # a level finished (stall.py)
+    stall.progress()  # a level finished
     with levels_file(args.out).open("a") as file:
         file.write(json.dumps(level) + "\n")
 
