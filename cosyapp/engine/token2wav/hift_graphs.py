@@ -146,7 +146,8 @@ class HiFTRunner:
             # The warm-up's draws come from a generator of its own: the streams' stay untouched.
             own = torch.Generator(dev).manual_seed(0)
             noise = self.hift.draw_noise(static_mel, [own] * rows)
-            now = epoch("hift")  # before running anything: a compile ending during the capture makes it stale
+            # Read before running anything: a compile ending during the capture makes it stale.
+            now = epoch(_Graph.family)
             if not self.capture:
                 speech, source = self.hift(static_mel, static_cache, noise=noise)
                 self._graphs.put(

@@ -275,29 +275,34 @@ class Token2Wav:
         calls run on a CUDA stream of their own, unwaited, while this thread launches the recompute
         calls (a step at 128-256 streams holds both, each too small to fill the GPU alone), and the
         step ends once both are done: their mels are complete before HiFT reads them."""
-        taken = []
-        if self.cached is not None:
-            beside = self.flow_overlap
-            with self._beside() if beside else contextlib.nullcontext():
-                rest = self._incremental(jobs, sync=not beside)
-            taken, jobs = [job for job in jobs if job not in rest], rest
-        self._recompute(jobs)
-        if taken and self.flow_overlap:
-            self._stats.overlapped_steps += bool(jobs)
+        if self.cached is None:
+            self._recompute(jobs)
+            return
+        if not self.flow_overlap:
+            self._recompute(self._incremental(jobs))
+            return
+        beside = self._beside()
+        with torch.cuda.stream(beside) if beside is not None else contextlib.nullcontext():
+            rest = self._incremental(jobs, sync=False)
+        self._recompute(rest)
+        taken = [job for job in jobs if job not in rest]
+        if taken:
+            self._stats.overlapped_steps += bool(rest)
             started = time.monotonic()
-            if self.model.device.type == "cuda":
+            if beside is not None:
                 with failing(taken, "flow"):  # an error of the unwaited calls surfaces here
-                    role_stream("flow-beside", self.model.device, self.stream_priority).synchronize()
+                    beside.synchronize()
             self._stats.flow_seconds += stamp(taken, "flow_end") - started
 
-    def _beside(self):
-        """The incremental calls' CUDA stream (flow_overlap), after this thread's work so far."""
+    def _beside(self) -> "torch.cuda.Stream | None":
+        """The incremental calls' CUDA stream (flow_overlap), after this thread's work so far; None
+        off CUDA."""
         dev = self.model.device
         if dev.type != "cuda":
-            return contextlib.nullcontext()
+            return None
         beside = role_stream("flow-beside", dev, self.stream_priority)
         beside.wait_stream(torch.cuda.current_stream(dev))
-        return torch.cuda.stream(beside)
+        return beside
 
     def _recompute(self, jobs: list[Job]) -> None:
         """One padded recompute call per (streaming, finalize) mode, each waited for (``_timed``)."""
