@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--lm-sampler-graphs",
         action=argparse.BooleanOptionalAction,
-        default=_flag("LM_SAMPLER_GRAPHS"),
+        default=_flag("LM_SAMPLER_GRAPHS", defaults.lm_sampler_graphs),
         help="on a GPU, replay the LM's RAS draw of each decode step from a CUDA graph per batch size "
         "instead of launching its ~40 small kernels; the same tokens (default: %(default)s; env "
         "COSYAPP_LM_SAMPLER_GRAPHS)",

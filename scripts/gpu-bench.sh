@@ -11,19 +11,15 @@ mkdir -p "$OUT"
 source scripts/gpu-env.sh
 # Inductor's kernels where scripts/gpu-experiments.sh leaves them (precompile: --compile-flow's graphs),
 # and vLLM's compile cache (its LM engine start took ~137 s without one on an H100): each from an
-# archive a run before wrote to $OUT, carried as .gpu-carry/NAME.tgz (left there, or moved to
-# /tmp/parts/ with the vLLM parts), and written to $OUT again at the end, new entries included.
+# archive a run before wrote to $OUT, carried in .gpu-carry/ (left there, or moved to /tmp/parts/ with
+# the vLLM parts), and written to $OUT again at the end, new entries included (scripts/gpu-caches.sh).
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache}
-mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$VLLM_CACHE_ROOT"
-for archive in .gpu-carry/inductor.tgz /tmp/parts/inductor.tgz; do
-    if [ -f "$archive" ]; then tar xzf "$archive" -C "$TORCHINDUCTOR_CACHE_DIR"; fi
-done
-for archive in .gpu-carry/vllm-cache.tgz /tmp/parts/vllm-cache.tgz; do
-    if [ -f "$archive" ]; then tar xzf "$archive" -C "$VLLM_CACHE_ROOT"; fi
-done
+source scripts/gpu-caches.sh
+unpack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
+unpack_cache vllm-cache "$VLLM_CACHE_ROOT"
 keep_caches() {
-    tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . || true
-    tar czf "$OUT/vllm-cache.tgz" -C "$VLLM_CACHE_ROOT" . || true
+    pack_cache inductor "$TORCHINDUCTOR_CACHE_DIR" || true
+    pack_cache vllm-cache "$VLLM_CACHE_ROOT" || true
 }
 trap keep_caches EXIT
 if [ "${GPU_BENCH_MPS:-0}" = 1 ]; then

@@ -10,17 +10,15 @@
 # step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift),
 # hift-cold (eager HiFT's first call at batch sizes not run before, against its second).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
-# scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz (the
-# compiled kernels; put back as .gpu-carry/inductor.tgz, a later run starts from them) to $OUT.
+# scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz.NN (the
+# compiled kernels; put back in .gpu-carry/, a later run starts from them) to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
-for archive in .gpu-carry/inductor.tgz /tmp/parts/inductor.tgz; do
-    if [ -f "$archive" ]; then tar xzf "$archive" -C "$TORCHINDUCTOR_CACHE_DIR"; fi
-done
+source scripts/gpu-caches.sh
+unpack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
 name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift or hift-cold}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward
@@ -43,5 +41,5 @@ esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout "$limit" "${run[@]}" 2>&1 | tee "$OUT/$name.log" | grep -v Warning
 status=${PIPESTATUS[0]}
-tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . && ls -l "$OUT/inductor.tgz"
+pack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
 exit "$status"

@@ -18,7 +18,7 @@ second), tokens per second over the batch, and the CPU seconds per step of vLLM'
 engine core and any worker, read with psutil), so a step bound by the host shows about one core.
 LM_SPEED_PYSPY=DIR samples the engine core's Python stacks with py-spy (when on PATH) during each
 extra batch of the sizes in LM_SPEED_PYSPY_BATCHES (default 1,256), one raw file per variant there.
-LM_SPEED_SAMPLER_GRAPHS=1 starts the engine with --lm-sampler-graphs.
+LM_SPEED_SAMPLER_GRAPHS=0 starts the engine with --no-lm-sampler-graphs (1, the default, as served).
 LM_SPEED_DEVICE=cpu runs the same on the tiny random model (a check of the script, not a measurement).
 
     python scripts/lm_speed.py --summarize out.json DIR/*.txt
@@ -131,7 +131,7 @@ async def main(out: Path) -> None:
     full = device.type == "cuda"
     folder = prepare_model(Path("/tmp/bench") / ("full-size" if full else "tiny"), full, device)
     model = load_model(folder, device=str(device))
-    graphs = os.environ.get("LM_SPEED_SAMPLER_GRAPHS") == "1"
+    graphs = os.environ.get("LM_SPEED_SAMPLER_GRAPHS", "1") == "1"
     cache = Path("/tmp/bench/cache")
     options = ServeOptions(engine="vllm", max_streams=max(BATCHES), cache_dir=cache, lm_sampler_graphs=graphs)
     lm = build_lm_engine(model, options)

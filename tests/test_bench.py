@@ -141,7 +141,8 @@ def test_the_first_chunks_stages_add_up_to_its_ttfa(smoke):
             continue
         assert list(stages) == [stage for stage, _, _ in FIRST_CHUNK_STAGES]
         assert all(seconds >= 0 for seconds in stages.values()), stages
-        assert stages["flow"] > 0 and stages["hift"] > 0 and stages["lm_first_tokens"] > 0
+        assert stages["flow"] > 0 and stages["lm_first_tokens"] > 0
+        assert stages["hift_launch"] > 0  # a CPU runs HiFT as it launches it: hift_wait is ~0 here
         if level["clients"] == 1:  # one request: its stages telescope to its TTFA (two clocks)
             assert sum(stages.values()) == pytest.approx(level["ttfa_p50"], abs=0.002)
         assert stages["lm_chunk_tokens"] > 0  # the chunk's (or, whole, every) token after the first

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cosyapp.engine.token2wav.compiling import COMPILER, Deferred, epoch, kind, same_strides
+from cosyapp.engine.token2wav.compiling import (
+    COMPILER,
+    Deferred,
+    epoch,
+    kind,
+    noting_eager_kinds,
+    same_strides,
+)
 from cosyapp.engine.token2wav.fused import fuse_estimator
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.graphs import GraphedEstimator
@@ -129,8 +136,8 @@ def test_the_kind_tells_apart_each_thing_it_lists_and_nothing_more():
 
 def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model, fresh_compiles):
     """A GraphedEstimator over an estimator compiled in the background: the buckets captured at the
-    start (here padded eager buckets, as on a CPU) are captured again once the compile thread has
-    compiled the calls met, and then replay what they did before."""
+    start (here padded eager buckets, as on a CPU) while their kinds ran eagerly are captured again
+    once the compile thread has compiled those kinds, and then replay what they did before."""
     import copy
 
     estimator = copy.deepcopy(tiny_model.flow.decoder.estimator)
@@ -138,25 +145,28 @@ def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model,
     graphed = GraphedEstimator(estimator, row_buckets=(2, 4), frame_buckets=(128,), use_graphs=False)
     with torch.inference_mode():
         graphed.capture_all(torch.device("cpu"), torch.float32)
-        before = {key: captured.epoch for key, captured in graphed._graphs.items()}
+        before = dict(graphed._graphs.items())
         assert len(before) == 4  # rows 2 and 4, both attention modes
+        assert next(iter(before.values())).eager  # the first capture: nothing was compiled yet
+        assert COMPILER.wait(timeout_s=600)
+        for key, old in before.items():
+            now = graphed._graphs[key]
+            assert not now.stale
+            # Captured again exactly when its capture ran a kind eagerly (a compile that ended before
+            # a capture leaves that one compiled already).
+            assert (now is not old) == bool(old.eager) and old.stale == bool(old.eager)
+        assert graphed._graphs.retired == 0  # no lookup had found the replaced graphs: freed at once
+        assert estimator.forward.ready
         g = torch.Generator().manual_seed(0)
         args = [torch.randn(3, c, 100, generator=g) for c in (80, 80, 80)]
         x, mu, cond = args
         mask, t, spks = torch.ones(3, 1, 100), torch.rand(3, generator=g), torch.randn(3, 80, generator=g)
         want = {s: estimator.forward.eager(x, mask, mu, t, spks, cond, s) for s in (False, True)}
-        first = {s: graphed(x, mask, mu, t, spks, cond, s) for s in (False, True)}  # eager: kinds met
-        assert COMPILER.wait(timeout_s=600)
-        assert epoch() > max(before.values())
-        assert all(graphed._graphs[key].epoch > e for key, e in before.items())
-        assert estimator.forward.ready  # the calls' kinds now run compiled
-        # The buckets of 4 rows were found by the first calls: kept until a lookup; those of 2 are gone.
-        assert graphed._graphs.retired == 2
+        first = {s: graphed(x, mask, mu, t, spks, cond, s) for s in (False, True)}
         for streaming in (False, True):
             torch.testing.assert_close(first[streaming], want[streaming], rtol=1e-4, atol=1e-5)
             again = graphed(x, mask, mu, t, spks, cond, streaming)
             torch.testing.assert_close(again, want[streaming], rtol=1e-4, atol=1e-5)
-        assert graphed._graphs.retired == 0  # no event to wait for on a CPU
 
 
 def test_the_compile_threads_copy_has_the_callers_layout_so_no_call_compiles_again(fresh_compiles):
@@ -227,8 +237,15 @@ class Graph(Captured):
     graph: Replays
 
 
-def captured(epoch_: int = 0) -> tuple[Graph, GPU]:
-    graph = Graph(Replays(), epoch=epoch_)
+class Fn:
+    """What a Captured reads of a compiled function: the kinds it has compiled."""
+
+    def __init__(self):
+        self.ready: set[str] = set()
+
+
+def captured(eager: frozenset = frozenset()) -> tuple[Graph, GPU]:
+    graph = Graph(Replays(), eager=eager)
     graph.ended = GPU()  # a CUDA graph's event; here the test's
     return graph, graph.ended
 
@@ -246,7 +263,7 @@ def test_a_replaced_graph_is_freed_at_a_later_lookup_once_its_last_replay_has_en
     old.replay()
     ref = weakref.ref(old)
     del old
-    new, _ = captured(1)
+    new, _ = captured()
     table.put("k", new)  # a compile later
     assert table.retired == 1 and not freed(ref)
     assert table.lookup("k") is new
@@ -265,7 +282,7 @@ def test_a_graph_found_but_not_replayed_yet_stays_until_a_later_lookup():
     found = table.lookup("k")
     ref = weakref.ref(old)
     del old
-    table.put("k", captured(1)[0])  # another thread, meanwhile
+    table.put("k", captured()[0])  # another thread, meanwhile
     assert gpu.query() and table.retired == 1
     found.replay()  # the serving thread goes on with what it found
     del found
@@ -281,44 +298,54 @@ def test_a_replaced_graph_no_lookup_found_is_freed_at_once_and_one_per_key_stays
     first, first_gpu = captured()
     table.put("k", first)
     table.lookup("k").replay()
-    second, second_gpu = captured(1)
-    third = captured(2)[0]
+    second, second_gpu = captured()
+    third = captured()[0]
     refs = [weakref.ref(g) for g in (first, second, third)]
     table.put("k", second)
     table.put("k", third)  # before any lookup found the second: it goes, the first stays
     del first, second, third
     assert [freed(r) for r in refs] == [False, True, False] and table.retired == 1
     assert first_gpu.running and first_gpu.waits == 0
-    fourth = captured(3)[0]
+    fn = Fn()
+    fourth = captured(frozenset({(fn, "kind")}))[0]  # its capture ran fn's "kind" eagerly
     table.lookup("k").replay()  # the third, found and replaying; the first still running
     table.put("k", fourth)  # the first's event is waited for, and the first freed
     assert first_gpu.waits == 1 and [freed(r) for r in refs] == [True, True, False]
-    assert table.retired == 1 and table.older_than(3) == [] and table.older_than(4) == [("k", fourth)]
+    assert table.retired == 1 and table.stale() == []
+    fn.ready.add("kind")
+    assert table.stale() == [("k", fourth)]
     assert not second_gpu.running
 
 
 @dataclass(kw_only=True)
-class _FlowGraph(Captured):
+class _Graph(Captured):
     graph: None = None
 
 
-@dataclass(kw_only=True)
-class _HiftGraph(Captured):
-    family = "hift"
-    graph: None = None
-
-
-def test_a_compile_makes_only_its_own_familys_graphs_stale(fresh_compiles):
-    """HiFT's Snake compiled while streams are served must not send every flow graph to be captured
-    again (it did in an H100 engine run), nor a flow compile HiFT's graphs."""
-    flow_graph, hift_graph = _FlowGraph(epoch=epoch("flow")), _HiftGraph(epoch=epoch("hift"))
+def test_a_compile_makes_stale_only_the_graphs_whose_capture_ran_its_kind_eagerly(fresh_compiles):
+    """With --compile-flow an H100 engine captured its 124 whole-clip graphs three times over while
+    the compile thread met one kind after another: each compile made every graph stale. A graph is
+    stale once a kind its capture ran eagerly is compiled; a kind that fails to compile stays eager,
+    so it makes nothing stale; a call of a compiled kind is noted nowhere."""
     snake = Deferred("snake", mlp, torch.compile(mlp, backend=Recorder(), dynamic=True), family="hift")
+    failing = deferred(Recorder(fail=True))
     x, w = torch.randn(5, 16), torch.randn(16, 16) / 4
-    snake(x, w)
+    flow_epoch = epoch("flow")
+    with noting_eager_kinds() as ran_snake, noting_eager_kinds() as inner:  # the outer sees the inner's
+        snake(x, w)
+    with noting_eager_kinds() as ran_failing:
+        failing(x.double(), w.double())
+    with noting_eager_kinds() as ran_nothing:
+        pass
+    assert ran_snake == inner == {(snake, kind((x, w), {}))} and len(ran_failing) == 1 and not ran_nothing
+    graphs = {
+        name: _Graph(eager=frozenset(kinds))
+        for name, kinds in [("snake", ran_snake), ("failing", ran_failing), ("nothing", ran_nothing)]
+    }
     assert COMPILER.wait(timeout_s=120)
-    assert hift_graph.stale and not flow_graph.stale
-    hift_graph = _HiftGraph(epoch=epoch("hift"))  # captured again after it
-    flow_fn = deferred(Recorder())
-    flow_fn(x.double(), w.double())
-    assert COMPILER.wait(timeout_s=120)
-    assert flow_graph.stale and not hift_graph.stale
+    assert failing.failed and snake.ready
+    assert [name for name, g in graphs.items() if g.stale] == ["snake"]
+    assert epoch("hift") >= 1 and epoch("flow") == flow_epoch + 1  # the failure's family moved on too
+    with noting_eager_kinds() as ran_compiled:
+        snake(x, w)
+    assert not ran_compiled  # compiled now: a graph captured now replays compiled kernels

@@ -151,16 +151,19 @@ def test_the_start_compiles_the_mode_no_graph_bucket_captures(tiny_model_dir, tm
         decoder = model.flow.decoder
         decoder.estimator = GraphedEstimator(decoder.estimator, use_graphs=False)  # as on a GPU
         assert compiled_graphs(CausalConditionalDecoder, "forward") == 0
-        capture_estimator_graphs(model, None)  # compiles on the compile thread
+        # Compiles on the compile thread what the buckets' captures met (dynamo tells some sizes
+        # apart), and the mode without a mask.
+        capture_estimator_graphs(model, None)
         assert COMPILER.wait(timeout_s=900)
-        assert compiled_graphs(CausalConditionalDecoder, "forward") == 1
+        started = compiled_graphs(CausalConditionalDecoder, "forward")
+        assert started >= 1
         p = prompt(25, seed=9)
         tokens = torch.randint(0, 6561, (40,), generator=torch.Generator().manual_seed(9))
         with torch.inference_mode():
             decoder.estimator.max_cells = 0  # past the buckets: eager, no mask
             whole(model.flow, p, tokens)
         assert COMPILER.wait(timeout_s=900)
-        assert compiled_graphs(CausalConditionalDecoder, "forward") == 1  # nothing more to compile
+        assert compiled_graphs(CausalConditionalDecoder, "forward") == started  # nothing more to compile
 
 
 def test_compiled_kernels_are_kept_under_the_serving_cache_dir(fused):

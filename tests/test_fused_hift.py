@@ -3,6 +3,7 @@ CPU, float32), one compiled graph serves every Snake, and the option reaches the
 command line."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from test_fused_flow import built_copy
 
 from cosyapp.engine.build import compiles_hift
 from cosyapp.engine.token2wav import fused as fused_module
-from cosyapp.engine.token2wav.compiling import COMPILER, epoch
+from cosyapp.engine.token2wav.compiling import COMPILER, Deferred
 from cosyapp.engine.token2wav.fused import fuse_hift
 from cosyapp.engine.token2wav.hift_graphs import CAPTURE_AT, HiFTRunner
 from cosyapp.models.hift import Snake, snake
@@ -64,11 +65,30 @@ def test_every_snake_runs_compiled_and_one_graph_serves_them_all(tiny_model, fus
     assert compiled_graphs() == 2  # and one for a batch of one (dynamo's size-1 specialisation)
 
 
+class Gate:
+    """A torch.compile backend that holds the compile thread until the test opens it."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def __call__(self, graph_module, example_inputs):
+        self.open.wait(timeout=300)
+        return graph_module.forward
+
+
+def negate(x: torch.Tensor) -> torch.Tensor:
+    return -x
+
+
 def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model):
-    """--hift-graphs beside a HiFT compiled in the background: a shape captured before its Snakes were
-    compiled is captured again at its first call after the compiles (CPU: the padded eager graphs),
+    """--hift-graphs beside a HiFT compiled in the background: a shape captured while its Snakes ran
+    eagerly is captured again at its first call after their compiles (CPU: the padded eager graphs),
     and the old one freed."""
     hift = copy.deepcopy(tiny_model.hift)
+    fused_module._deferred_snake.cache_clear()  # a new compiled Snake: its kinds compile now
+    fuse_hift(hift, background=True)
+    gate = Gate()  # the compile thread waits here, so the Snakes' kinds stay eager through the capture
+    Deferred("gate", negate, torch.compile(negate, backend=gate, dynamic=True), family="hift")(torch.ones(3))
     runner = HiFTRunner(hift, graphs=True, capture=False)
     mel = torch.randn(2, 80, 36, generator=torch.Generator().manual_seed(1)) - 5
     want, _ = vocode(tiny_model.hift, mel)
@@ -79,13 +99,13 @@ def test_hift_graphs_are_captured_again_once_the_snakes_are_compiled(tiny_model)
     with torch.inference_mode():
         first = [call() for _ in range(CAPTURE_AT)]  # the last one captures, the Snakes eager
         [(key, graph)] = runner._graphs.items()
-        fused_module._deferred_snake.cache_clear()  # a new compiled Snake: its kinds compile now
-        fuse_hift(hift, background=True)
-        first.append(call())  # replays the graph (eagerly here), which meets the Snakes' kinds
-        assert COMPILER.wait(timeout_s=600) and epoch("hift") > graph.epoch
-        again = call()
-    assert runner._graphs[key].epoch == epoch("hift") and runner._graphs[key] is not graph
-    assert runner._graphs.retired == 0  # the replaced graph is freed: its call found the new one
+        assert graph.eager and not graph.stale
+        gate.open.set()
+        assert COMPILER.wait(timeout_s=600) and graph.stale
+        again = call()  # captures the shape again, with the compiled Snakes
+    new = runner._graphs[key]
+    assert new is not graph and not new.stale and not new.eager
+    assert runner._graphs.retired == 0  # the replaced graph is freed: no lookup had found it since
     for got in (*first, again):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 

@@ -294,7 +294,7 @@ def _first_chunk(plt, result: dict, texts: list[str]):
         bottom = [0.0] * len(group)
         for index, (stage, _, _) in enumerate(FIRST_CHUNK_STAGES):
             ms = [1000 * lv["first_chunk_p50"][stage] for lv in group]
-            ax.bar(names, ms, bottom=bottom, label=stage, color=f"C{index}")
+            ax.bar(names, ms, bottom=bottom, label=stage, color=plt.get_cmap("tab20")(index))  # 11 stages
             bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
         ax.plot(names, [1000 * lv["ttfa_p50"] for lv in group], "ko", label="TTFA p50")
         ax.set_xlabel("concurrent requests")

@@ -19,7 +19,9 @@ QUANTILES = (50, 90, 99)
 # process); admission: waiting for a slot; lm_prompt: the LM's prompt embeddings (a worker thread),
 # the LM request made; lm_first_tokens: prefill;
 # lm_chunk_tokens: decoding the rest of the chunk's tokens; flow_queue / hift_queue: waiting for
-# the worker's stage; delivery: back to the event loop and the client.
+# the worker's stage; hift_launch: HiFT's kernels launched (on a CPU, run); hift_wait: the device's
+# work after the last launch, and the audio's copy to the CPU; delivery: back to the event loop and
+# the client.
 FIRST_CHUNK_STAGES = (
     ("text", "start", "prepared"),
     ("admission", "prepared", "admitted"),
@@ -29,7 +31,8 @@ FIRST_CHUNK_STAGES = (
     ("flow_queue", "submitted", "flow_start"),
     ("flow", "flow_start", "flow_end"),
     ("hift_queue", "flow_end", "hift_start"),
-    ("hift", "hift_start", "hift_end"),
+    ("hift_launch", "hift_start", "hift_launched"),
+    ("hift_wait", "hift_launched", "hift_end"),
     ("delivery", "hift_end", "received"),
 )
 

@@ -12,14 +12,16 @@ minutes; from inductor's cache (kept under the serving cache folder) within seco
 
 The CUDA graphs of the flow and HiFT (graphs.py, incremental_graphs.py, hift_graphs.py) replay what
 their capture ran. Each is kept in a ``GraphTable`` (graph_table.py) as a ``Captured`` with the
-``epoch`` it was captured in; when the compile thread's queue runs dry after compiling, the epoch
-moves on and it calls each registered ``recapture`` hook. A graph of an earlier epoch is stale: its
-owner captures it again (the hook, or the next call that meets it), in place of the old, which
-serves until then and is freed once no replay can use it, so the graphs replay compiled kernels.
-Epochs are per family: the flow's graphs call only the flow's compiled functions and HiFT's only
-HiFT's Snake, so a Snake compiled while streams are served leaves the flow's graphs as they are (it
-made every incremental bucket stale, captured again mid-serving, in an H100 engine run:
-docs/benchmarks/README.md).
+kinds of compiled functions its capture ran eagerly (``noting_eager_kinds``); once one of them is
+compiled, the graph is stale: its owner captures it again (a hook, or the next call that meets it),
+in place of the old, which serves until then and is freed once no replay can use it, so the graphs
+replay compiled kernels. A compile leaves every graph that did not run its kind as it is. (Before,
+any compile made every graph stale: in an H100 engine run with ``--compile-flow`` the 124 whole-clip
+graphs were captured three times and the incremental buckets twice while the compile thread met one
+kind after another, docs/benchmarks/README.md.) When the compile thread's queue runs dry after
+compiling, the epoch of the compiled functions' family moves on and it calls that family's
+registered hooks: the flow's graphs call only the flow's compiled functions and HiFT's only HiFT's
+Snake, so only their owner looks for stale graphs.
 
 Dynamo's hooks are per thread: the serving threads' eager calls of a function are not traced while
 the compile thread compiles it, and the compiled graph then serves every copy of the module
@@ -139,6 +141,9 @@ class Deferred:
         key = kind(args, kwargs)
         if key in self.ready:
             return self.compiled(*args, **kwargs)
+        noted = getattr(_noting, "kinds", None)
+        if noted is not None:  # a graph captured now is stale once this kind is compiled
+            noted.add((self, key))
         if key not in self.pending and key not in self.failed and not _capturing():
             try:
                 request = _Request(self, key, *self.copy_args(args, kwargs))
@@ -149,6 +154,30 @@ class Deferred:
                 self.pending.add(key)
                 COMPILER.submit(request)
         return self.eager(*args, **kwargs)
+
+
+_noting = threading.local()
+
+
+@contextlib.contextmanager
+def noting_eager_kinds():
+    """Within it on this thread, each compiled function's kinds that run eagerly go into the set it
+    gives, as ``(Deferred, kind)``: a CUDA graph captured within replays those eager kernels until it
+    is captured again once one of them is compiled (``compiled_since``)."""
+    outer = getattr(_noting, "kinds", None)
+    kinds: set[tuple[Deferred, tuple]] = set()
+    _noting.kinds = kinds
+    try:
+        yield kinds
+    finally:
+        _noting.kinds = outer
+        if outer is not None:
+            outer |= kinds
+
+
+def compiled_since(kinds) -> bool:
+    """Whether any of ``kinds`` (from ``noting_eager_kinds``) runs compiled now."""
+    return any(key in fn.ready for fn, key in kinds)
 
 
 def _capturing() -> bool:
@@ -293,6 +322,6 @@ COMPILER = _CompileThread()
 
 
 def epoch(family: str = "flow") -> int:
-    """The compile thread's epoch of ``family``: a graph of that family captured in an earlier one
-    may replay eager kernels."""
+    """The compile thread's epoch of ``family``: how many times its queue ran dry after compiling
+    one of that family's functions."""
     return COMPILER.epochs[family]

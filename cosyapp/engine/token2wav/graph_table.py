@@ -1,25 +1,24 @@
 """The CUDA graphs of the flow and HiFT by key (graphs.py, incremental_graphs.py, hift_graphs.py):
-each a ``Captured`` with the compile epoch of its family it was captured in (compiling.py), captured
-again once stale, and the replaced graph freed once no replay can use it (``GraphTable``)."""
+each a ``Captured`` with the compiled functions' kinds its capture ran eagerly (compiling.py),
+captured again once stale, and the replaced graph freed once no replay can use it (``GraphTable``)."""
 
 import threading
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
-from cosyapp.engine.token2wav.compiling import COMPILER
+from cosyapp.engine.token2wav.compiling import compiled_since
 
 
 @dataclass(kw_only=True)
 class Captured:
     """What a GraphTable holds: its subclass's ``graph`` (a CUDA graph, or None where the call runs
-    eagerly) and the compile epoch it was captured in, read before the capture ran anything (a
-    compile that ends meanwhile leaves the graph stale)."""
+    eagerly) and the compiled functions' kinds its capture ran eagerly (``noting_eager_kinds``; a
+    compile that ends during the capture leaves the graph stale)."""
 
-    epoch: int
-    family: ClassVar[str] = "flow"  # whose compiled functions its graph calls (``Deferred.family``)
+    eager: frozenset = frozenset()
     # A CUDA graph's: recorded after each replay, on the stream it ran on (GraphTable frees by it).
     ended: "torch.cuda.Event | None" = field(default=None, init=False, repr=False, compare=False)
 
@@ -29,8 +28,8 @@ class Captured:
 
     @property
     def stale(self) -> bool:
-        """Captured before the compile thread's latest compiles: it may replay eager kernels."""
-        return self.epoch < COMPILER.epochs[self.family]
+        """It replays eager kernels of a call that runs compiled now."""
+        return compiled_since(self.eager)
 
     def replay(self) -> None:
         self.graph.replay()
@@ -43,7 +42,7 @@ C = TypeVar("C", bound=Captured)
 
 class GraphTable(Generic[C]):
     """An owner's captured graphs by key (graphs.py, hift_graphs.py, incremental_graphs.py). A graph
-    is captured again once stale (``Captured.stale``, ``older_than``), on whichever thread its owner
+    is captured again once stale (``Captured.stale``, ``GraphTable.stale``), on whichever thread its owner
     captures, and ``put`` in place of the old one, which is freed once no replay can use it.
 
     One thread at a time serves the owner's calls, on a CUDA stream of its own (worker.py): it finds
@@ -98,9 +97,9 @@ class GraphTable(Generic[C]):
                 self._found.add(key)
             return graph
 
-    def older_than(self, epoch: int) -> list[tuple[Hashable, C]]:
-        """The graphs captured before ``epoch``, to capture again."""
-        return [(key, graph) for key, graph in self.items() if graph.epoch < epoch]
+    def stale(self) -> list[tuple[Hashable, C]]:
+        """The stale graphs, to capture again."""
+        return [(key, graph) for key, graph in self.items() if graph.stale]
 
     def put(self, key: Hashable, graph: C) -> None:
         """``graph`` in place of ``key``'s, if any: that one is kept while a replay may use it."""

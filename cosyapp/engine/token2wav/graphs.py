@@ -10,6 +10,7 @@ Calls larger than the biggest bucket (MAX_CELLS) run eagerly: there the GPU, not
 limit, and padding would only add work.
 """
 
+import functools
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from cosyapp.engine.token2wav.compiling import COMPILER, epoch
+from cosyapp.engine.token2wav.compiling import COMPILER, noting_eager_kinds
 from cosyapp.engine.token2wav.fused import compile_unmasked, in_background
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.turns import capture_graph
@@ -131,11 +132,12 @@ class GraphedEstimator(nn.Module):
         return self.captured
 
     def recapture_stale(self, epoch: int) -> int:
-        """Capture again every bucket captured before ``epoch``, whose graph may replay kernels the
-        compile thread has compiled since (compiling.py); the old graph serves until the new one
-        replaces it. Runs on the compile thread: only the flow thread replays, and a capture runs
-        nothing, so the shared memory pool is never in use by two graphs at once. Returns the count."""
-        stale = self._graphs.older_than(epoch)
+        """Capture again every stale bucket, whose graph replays eager kernels of calls the compile
+        thread has compiled since (compiling.py); the old graph serves until the new one replaces it.
+        Runs on the compile thread (a hook of the flow's ``epoch``): only the flow thread replays, and
+        a capture runs nothing, so the shared memory pool is never in use by two graphs at once.
+        Returns the count."""
+        stale = self._graphs.stale()
         for key, captured in stale:
             autocast = key[4]
             device = captured.inputs[0].device
@@ -156,14 +158,17 @@ class GraphedEstimator(nn.Module):
         rows, frames = key[0], key[1]
         x, mask, mu, t, spks, cond = like
         inputs = _blank_inputs(rows, frames, x.size(1), x.device, x.dtype, mu.size(1), cond.size(1))
-        now = epoch()  # before running anything: a compile ending during the capture makes it stale
-        if not (self.use_graphs and x.is_cuda):
-            captured = _Captured(None, inputs, inputs[0], epoch=now)
-        else:
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph, output = capture_graph(lambda: self.estimator(*inputs, streaming), x.device, self._pool)
-            captured = _Captured(graph, inputs, output, epoch=now)
-        self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
+        with noting_eager_kinds() as eager:  # a compile ending during the capture makes it stale
+            if not (self.use_graphs and x.is_cuda):
+                if in_background(self.estimator):  # run as a capture would, for the kinds it meets
+                    self.estimator(*inputs, streaming)
+                graph, output = None, inputs[0]
+            else:
+                self._pool = self._pool or torch.cuda.graph_pool_handle()
+                run = functools.partial(self.estimator, *inputs, streaming)
+                graph, output = capture_graph(run, x.device, self._pool)
+        # After a compile: in place of the old (compiling.py).
+        self._graphs.put(key, _Captured(graph, inputs, output, eager=frozenset(eager)))
 
 
 def _blank_inputs(

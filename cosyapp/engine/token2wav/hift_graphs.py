@@ -22,12 +22,11 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.compiling import noting_eager_kinds
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.turns import capture_graph
@@ -46,7 +45,6 @@ MAX_CELLS = 16384
 
 @dataclass
 class _Graph(Captured):
-    family: ClassVar[str] = "hift"  # its graph calls HiFT's compiled Snakes only
     graph: torch.cuda.CUDAGraph | None  # None: padded and run eagerly (``capture=False``)
     mel: Tensor  # (bucket, 80, frames)
     cache: Tensor | None  # (bucket, 1, cached samples)
@@ -146,28 +144,26 @@ class HiFTRunner:
             # The warm-up's draws come from a generator of its own: the streams' stay untouched.
             own = torch.Generator(dev).manual_seed(0)
             noise = self.hift.draw_noise(static_mel, [own] * rows)
-            # Read before running anything: a compile ending during the capture makes it stale.
-            now = epoch(_Graph.family)
-            if not self.capture:
-                speech, source = self.hift(static_mel, static_cache, noise=noise)
-                self._graphs.put(
-                    key, _Graph(None, static_mel, static_cache, noise, speech, source, epoch=now)
-                )
-                return True
-            # cuDNN and cuFFT pick and cache their plans in the runs before the capture
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph, (speech, source) = capture_graph(
-                lambda: self.hift(static_mel, static_cache, noise=noise), dev, self._pool
-            )
-            torch.cuda.current_stream(dev).synchronize()
+            with noting_eager_kinds() as eager:  # a compile ending during the capture makes it stale
+                if not self.capture:
+                    speech, source = self.hift(static_mel, static_cache, noise=noise)
+                    graph = None
+                else:
+                    # cuDNN and cuFFT pick and cache their plans in the runs before the capture
+                    self._pool = self._pool or torch.cuda.graph_pool_handle()
+                    graph, (speech, source) = capture_graph(
+                        lambda: self.hift(static_mel, static_cache, noise=noise), dev, self._pool
+                    )
+                    torch.cuda.current_stream(dev).synchronize()
         except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
             log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
             self._eager.add(key)
             return False
         finally:
             self.capture_seconds += time.perf_counter() - started
-        self.captures += 1
-        captured = _Graph(graph, static_mel, static_cache, noise, speech, source, epoch=now)
+        captured = _Graph(graph, static_mel, static_cache, noise, speech, source, eager=frozenset(eager))
         self._graphs.put(key, captured)  # after a compile: in place of the old (compiling.py)
-        log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
+        if graph is not None:
+            self.captures += 1
+            log.info("HiFT shape %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return True

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cosyapp.engine.token2wav.compiling import epoch
+from cosyapp.engine.token2wav.compiling import noting_eager_kinds
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
 from cosyapp.engine.token2wav.turns import capture_graph
@@ -139,12 +139,12 @@ class IncrementalGraphs:
         dev = like.x.device
         # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
         static.write_rows.zero_()
-        now = epoch()  # before running anything: a compile ending during the capture makes it stale
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-        graph, (x, tails) = capture_graph(
-            lambda: run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate), dev, self._pool
-        )
+        with noting_eager_kinds() as eager:  # a compile ending during the capture makes it stale
+            graph, (x, tails) = capture_graph(
+                lambda: run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate), dev, self._pool
+            )
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
         # After a compile: in place of the old, which the flow thread may be replaying (compiling.py).
-        self._graphs.put(key, _Graph(graph, static, x, tails, epoch=now))
+        self._graphs.put(key, _Graph(graph, static, x, tails, eager=frozenset(eager)))

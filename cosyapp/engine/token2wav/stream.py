@@ -55,7 +55,8 @@ class Job:
     mel: Tensor | None = field(default=None, repr=False)  # the flow's new frames (80, n), set by the worker
     submitted_at: float = field(default_factory=time.monotonic)  # for the worker's deadlines (scheduler.py)
     # When the worker's stages took it: "flow_start", "flow_end" (its mel ready), "hift_start",
-    # "hift_end" (monotonic; ``stamp``); the stage that sets a stamp is its only writer.
+    # "hift_launched" (HiFT's kernels launched), "hift_end" (monotonic; ``stamp``); the stage that sets
+    # a stamp is its only writer.
     times: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
@@ -79,7 +80,16 @@ def stamp(jobs: list[Job], name: str) -> float:
 
 
 # The first chunk's way, stamp by stamp (Stream.first_chunk_times).
-FIRST_CHUNK_STAMPS = ("run", "first_tokens", "submitted", "flow_start", "flow_end", "hift_start", "hift_end")
+FIRST_CHUNK_STAMPS = (
+    "run",
+    "first_tokens",
+    "submitted",
+    "flow_start",
+    "flow_end",
+    "hift_start",
+    "hift_launched",
+    "hift_end",
+)
 
 
 @dataclass(eq=False)

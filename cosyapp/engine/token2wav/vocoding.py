@@ -53,7 +53,12 @@ class Vocoding:
         jobs = [job for job, _ in group]
         started = stamp(jobs, "hift_start")
         try:
-            speech, source = self._hift(group)  # ends with a copy to the CPU, so the device work is done
+            speech, source = self._hift(group)
+            # Every kernel is launched: the wait for the device and the copy to the CPU follow, so the
+            # two stamps split the host's share of the call (eager launches that share the interpreter
+            # lock with the flow thread and the event loop) from the device's.
+            stamp(jobs, "hift_launched")
+            speech = speech.cpu()  # the device work is done past here
         except Exception:
             for generator, state in zip(generators, noise_states, strict=True):
                 generator.set_state(state)  # a retry then draws the same noise as a first try
@@ -68,7 +73,7 @@ class Vocoding:
                 job.resolve(audio=audio.numpy().copy())
 
     def _hift(self, group: list[tuple[Job, Tensor]]) -> tuple[Tensor, Tensor]:
-        """One HiFT call on equal-length mels: (speech (B, L) on CPU, source (B, 1, L))."""
+        """One HiFT call on equal-length mels, launched: (speech (B, L), source (B, 1, L)) on its device."""
         streams = [job.stream for job, _ in group]
         caches = [stream.overlap.source for stream in streams]
         speech, source = self.hift_runner(
@@ -78,4 +83,4 @@ class Vocoding:
         )
         self.stats.last_hift_batch = len(group)
         self.stats.max_hift_batch = max(self.stats.max_hift_batch, len(group))
-        return speech.cpu(), source
+        return speech, source
