@@ -18,6 +18,9 @@ source scripts/gpu-caches.sh
 unpack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
 unpack_cache vllm-cache "$VLLM_CACHE_ROOT"
 keep_caches() {
+    # At most 8 files come back from the GPU machine: the plots and the engine log go as one archive,
+    # so bench.json, its levels, the printed log and the caches' pieces come back beside it.
+    (cd "$OUT" && ls bench-*.png bench-engine.log 2> /dev/null | xargs -r tar czf bench-extras.tgz --remove-files) || true
     pack_cache inductor "$TORCHINDUCTOR_CACHE_DIR" || true
     pack_cache vllm-cache "$VLLM_CACHE_ROOT" || true
 }
