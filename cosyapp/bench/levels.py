@@ -33,6 +33,7 @@ ENGINE_FIELDS = (
     "stages",
     "gpu_peak_allocated_gb",
     "gpu_device_used_gb",
+    "gpu_allocator",
     "worker",
     "resources",
 )

@@ -114,6 +114,12 @@ def row(level: dict) -> str:
         cpu = ", ".join(f"{name} {100 * share:.0f} %" for name, share in busiest(used))
         cores = used["process_cpu_s"] / used["wall_s"]
         parts.append(f"GPU busy {gpu}  CPU: process {cores:.2f} cores; {cpu}")
+    allocator = level.get("gpu_allocator")
+    if allocator:
+        parts.append(
+            f"GPU reserved peak {allocator['peak_reserved_gb']:.1f} GB, allocation retries "
+            f"{allocator['num_alloc_retries']}, cache flushes {allocator['num_sync_all_streams']}"
+        )
     if "click_to_sound_p50" in level:
         parts.append(
             f"click to sound p50/p99 {_ms(level['click_to_sound_p50'])}/{_ms(level['click_to_sound_p99'])}"

@@ -255,18 +255,32 @@ def stage_times(
     }
 
 
+# The caching allocator's counters a level reports as they grew during it: cudaMalloc calls that
+# failed and were retried after freeing every cached block (which first synchronises every stream of
+# the device: a HiFT call then waits for the flow call running beside it), those frees of the
+# cache, and the cudaMalloc and cudaFree calls.
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+_counts_at_reset: dict[str, int] = {}
+
+
 def reset_gpu_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+        stats = torch.cuda.memory_stats()
+        _counts_at_reset.update({name: stats.get(name, 0) for name in ALLOCATOR_COUNTS})
 
 
 def gpu_memory() -> dict:
-    """This process's peak allocation since ``reset_gpu_peak`` (flow, HiFT, a PyTorch LM) and the
-    memory used on the whole device now (vLLM's engine process and its KV cache included)."""
+    """This process's peak allocation since ``reset_gpu_peak`` (flow, HiFT, a PyTorch LM), the memory
+    used on the whole device now (vLLM's engine process and its KV cache included), and the caching
+    allocator's peak reservation and ALLOCATOR_COUNTS since then (``gpu_allocator``)."""
     if not torch.cuda.is_available():
-        return {"gpu_peak_allocated_gb": None, "gpu_device_used_gb": None}
+        return {"gpu_peak_allocated_gb": None, "gpu_device_used_gb": None, "gpu_allocator": None}
     free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    counts = {name: stats.get(name, 0) - _counts_at_reset.get(name, 0) for name in ALLOCATOR_COUNTS}
     return {
         "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         "gpu_device_used_gb": (total - free) / 2**30,
+        "gpu_allocator": {"peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30} | counts,
     }
