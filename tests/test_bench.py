@@ -128,6 +128,7 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert stages["flow_ms_per_call"] == pytest.approx(1000 * stages["flow_s"] / stages["flow_calls"])
         assert stages["lm_tokens"] == level["clients"] * result["texts"]["short"]["speech_tokens"]
         assert level["gpu_peak_allocated_gb"] is None and level["gpu_allocator"] is None  # a CPU run
+        assert stages["flow_cache_least_free"] == 0  # no page pool on a CPU
         # No CUDA graphs on a CPU: nothing runs eagerly for want of one, nothing is captured.
         assert (stages["eager_flow_calls"], stages["graph_captures"], stages["graph_capture_s"]) == (0, 0, 0)
 

@@ -98,7 +98,8 @@ def row(level: dict) -> str:
         if stages.get("incremental_jobs") or stages.get("flow_cache_fallbacks"):
             parts.append(
                 f"flow jobs incremental {stages['incremental_jobs']}, recomputed {stages['recompute_jobs']}; "
-                f"streams the flow cache could not serve {stages['flow_cache_fallbacks']}"
+                f"streams the flow cache could not serve {stages['flow_cache_fallbacks']}, "
+                f"fewest pages free {stages.get('flow_cache_least_free')}"
             )
         if stages.get("eager_flow_calls") or stages.get("graph_captures"):
             parts.append(

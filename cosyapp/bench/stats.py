@@ -249,6 +249,9 @@ def stage_times(
         "incremental_jobs": t2w1.incremental_jobs - t2w0.incremental_jobs,
         "recompute_jobs": t2w1.recompute_jobs - t2w0.recompute_jobs,
         "flow_cache_fallbacks": t2w1.flow_cache_fallbacks - t2w0.flow_cache_fallbacks,
+        # The fewest pages free at once since the worker started (its earlier levels included): with
+        # the pool's size, what the pool needed at most.
+        "flow_cache_least_free": t2w1.flow_cache_least_free,
         # --compile-flow: compiles that ended inside the level (the compile thread shares the host)
         "flow_compiles": t2w1.flow_compiles - t2w0.flow_compiles,
         "compiles_elsewhere": t2w1.compiles_elsewhere - t2w0.compiles_elsewhere,
