@@ -33,7 +33,7 @@ from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine,
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.compiling import epoch
-from cosyapp.engine.token2wav.turns import empty_cache
+from cosyapp.engine.token2wav.turns import empty_cache_in_turn
 from cosyapp.models.checkpoint import load_model, pick_device
 from cosyapp.options import ServeOptions
 
@@ -170,7 +170,7 @@ async def _measure_variant(
     pipeline.token2wav = build_token2wav(pipeline.model, options)
     del old
     gc.collect()  # the incremental flow's page pool goes before the new worker sizes its own
-    empty_cache()  # in its turn: the new worker's captures may have begun (turns.py)
+    empty_cache_in_turn()  # in its turn: the new worker's captures may have begun (turns.py)
     await asyncio.to_thread(pipeline.token2wav.capture_graphs)
     pipeline.token2wav.start()
     driver = PipelineDriver(pipeline, bench_voice(pipeline.text))

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from cosyapp.engine.token2wav.stream import Job
-from cosyapp.engine.token2wav.turns import empty_cache
+from cosyapp.engine.token2wav.turns import empty_cache_in_turn
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def retry_in_halves(
             fail(jobs_of(batch)[0], error)
             return
         logger.warning("token2wav %s ran out of memory for %d jobs; retrying in halves", what, len(batch))
-        empty_cache()  # hand the failed call's blocks back before the smaller calls (in its turn)
+        empty_cache_in_turn()  # hand the failed call's blocks back before the smaller calls (in its turn)
         half = len(batch) // 2
         retry_in_halves(batch[:half], run, jobs_of, what)
         retry_in_halves(batch[half:], run, jobs_of, what)

@@ -116,7 +116,7 @@ def capture_graph(call: Callable[[], T], device: torch.device, pool, warm_ups: i
     return graph, output
 
 
-def empty_cache() -> None:
+def empty_cache_in_turn() -> None:
     """``torch.cuda.empty_cache()`` in a turn of a capture's: the frees synchronise the device, which
     another thread's capture in progress would not survive."""
     if torch.cuda.is_initialized():
