@@ -155,6 +155,7 @@ def test_the_estimators_graphs_are_captured_again_after_its_compiles(tiny_model,
             # Captured again exactly when its capture ran a kind eagerly (a compile that ended before
             # a capture leaves that one compiled already).
             assert (now is not old) == bool(old.eager) and old.stale == bool(old.eager)
+        assert graphed.recaptured == sum(bool(old.eager) for old in before.values())
         assert graphed._graphs.retired == 0  # no lookup had found the replaced graphs: freed at once
         assert estimator.forward.ready
         g = torch.Generator().manual_seed(0)

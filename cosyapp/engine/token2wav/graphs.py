@@ -80,6 +80,7 @@ class GraphedEstimator(nn.Module):
         self._graphs: GraphTable[_Captured] = GraphTable()
         self._pool = None
         self._capturing = threading.Lock()  # one capture at a time: the flow's start, the compile thread
+        self.recaptured = 0  # buckets captured again after compiles (recapture_stale)
         if in_background(estimator):  # --compile-flow: replay the compiled kernels once compiled
             COMPILER.on_epoch(self.recapture_stale)
 
@@ -146,6 +147,7 @@ class GraphedEstimator(nn.Module):
                 torch.autocast(device.type, dtype=autocast, enabled=autocast is not None),
             ):
                 self._capture(key, captured.inputs, key[2])
+        self.recaptured += len(stale)
         if stale:
             log.info("captured %d flow estimator graphs again with the compiled flow", len(stale))
         return len(stale)
