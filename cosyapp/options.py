@@ -65,7 +65,8 @@ class ServeOptions:
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
-        the step's recompute calls (engine/token2wav/worker.py ``_flow``); not measured yet, so off.
+        the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
+        the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).
     hift_first: on a GPU, HiFT's CUDA stream one priority above the flow's, so a step's HiFT kernels
         run before the next flow call's when both wait (engine/token2wav/worker.py): its audio goes
         out without waiting for that call; False gives both the same priority. With --lm-in-process

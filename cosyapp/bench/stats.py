@@ -260,7 +260,7 @@ def stage_times(
 
 # The caching allocator's counters a level reports as they grew during it: cudaMalloc calls that
 # failed and were retried after freeing every cached block (which first synchronises every stream of
-# the device: a HiFT call then waits for the flow call running beside it), those frees of the
+# the process, so a HiFT call would wait for the flow call running beside it), those frees of the
 # cache, and the cudaMalloc and cudaFree calls.
 ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 _counts_at_reset: dict[str, int] = {}
