@@ -52,12 +52,14 @@ def prepared_note(page, previous: str = "") -> str:
         "() => { const t = document.querySelector('#prompt-prepared').innerText;"
         " return t.slice(t.indexOf('Using')); }"
     )
-    page.wait_for_function(
-        f"(old) => {{ const t = ({script})(); return t.startsWith('Using') && t !== old; }}",
+    # The note as the wait saw it (without the progress timer Gradio may show beside it): read again
+    # afterwards, it may already be the next upload's, half written.
+    found = page.wait_for_function(
+        f"(old) => {{ const t = ({script})(); return t.startsWith('Using') && t !== old && t; }}",
         arg=previous,
         timeout=30_000,
     )
-    return page.evaluate(script)  # without the progress timer Gradio may show beside it
+    return found.json_value()
 
 
 def filled_transcript(page, previous: str = "") -> str:
@@ -125,9 +127,9 @@ def test_a_compressed_upload_previews_the_samples_of_its_wav(page, ui, tmp_path,
     reference = preview_samples(ui, link)
     # The audio upload takes audio/* files (.m4a); browsers call .mp4 and .webm video.
     (upload if suffix == "m4a" else upload_other_format)(page, convert(AISHELL, tmp_path, suffix))
+    samples = preview_samples(ui, preview_link(page, link))  # the new upload's preview: its note below
     assert prepared_note(page).startswith("Using 3.5 s")
     assert page.locator("#voice input").input_value().startswith("The recording below")
-    samples = preview_samples(ui, preview_link(page, link))
     assert abs(len(samples) - len(reference)) <= 320  # trimming decides on 10 ms frames
     best = max(
         10 * np.log10(np.sum(reference[:n] ** 2) / np.sum((reference[:n] - shifted[:n]) ** 2))
