@@ -75,6 +75,9 @@ class ServeOptions:
         -1 (their kernels are scheduled before the LM's when both wait).
     hift_graphs: on a GPU, replay HiFT calls from CUDA graphs, one per batch bucket and length
         (engine/token2wav/hift_graphs.py); the same audio, its random draws made ahead per stream.
+    lm_yield_ms: on a GPU, the longest a token2wav step that makes some stream's first chunk holds the
+        LM's decode steps, so its flow and HiFT calls have the GPU alone (engine/token2wav/yielding.py,
+        engine/lm/gate.py); a hold ends early where streams already playing would run short; 0 = never.
     lm_in_process: step vLLM's engine core on a thread of this process (engine/lm/inproc.py), so its
         kernels overlap the flow's instead of taking turns with them; False: its own process.
     lm_stream_interval: speech tokens vLLM gathers into each output it hands this process (its
@@ -119,6 +122,7 @@ class ServeOptions:
     token2wav_priority: int = 0
     hift_first: bool = True
     hift_graphs: bool = False
+    lm_yield_ms: float = 0.0
     lm_in_process: bool = False
     lm_stream_interval: int = 1
     lm_sampler_graphs: bool = True
@@ -145,6 +149,7 @@ class ServeOptions:
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
             ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
+            ("lm_yield_ms", 0 <= self.lm_yield_ms <= 1000, "must be between 0 and 1000"),
             ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),

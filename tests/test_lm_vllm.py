@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from cosyapp.engine.lm.base import LMRequest
+from cosyapp.engine.lm.gate import process_gate
 from cosyapp.engine.lm.vllm_engine import VllmSpeechLM, export_for_vllm, warmup_batch_sizes
 from cosyapp.models.checkpoint import load_model
 from cosyapp.models.sampling import (
@@ -238,6 +239,36 @@ class TestStopControlledModel:
             return [len(t) for t in await asyncio.gather(*(collect(stop_engine, r) for r in requests))]
 
         assert loop.run_until_complete(lengths()) == min_tokens
+
+    def test_no_token_comes_while_the_worker_holds_the_lm_and_the_tokens_are_the_same(
+        self, stop_engine, loop, stop_controlled_model
+    ):
+        gate = process_gate()  # the engine's start named it in vLLM's environment
+        request = LMRequest("held", prompt(stop_controlled_model.lm, seed=3), 20, 20, seed=3)
+
+        async def timed(hold_s: float) -> tuple[list[float], list[int], float | None]:
+            times, tokens, second_at = [], [], None
+            start = time.monotonic()
+            hold = gate.hold(start + hold_s) if hold_s else None
+            async for chunk in stop_engine.generate(request):
+                times.append(time.monotonic() - start)
+                tokens += chunk
+                if hold is not None and second_at is None and len(tokens) >= 5:
+                    gate.release(hold)  # and a second hold, mid-request
+                    second_at = time.monotonic() - start
+                    hold = gate.hold(start + second_at + hold_s)
+            if hold is not None:
+                gate.release(hold)
+            return times, tokens, second_at
+
+        waited_before, waits_before = gate.waited
+        free_times, free_tokens, _ = loop.run_until_complete(timed(0.0))
+        held_times, held_tokens, second_at = loop.run_until_complete(timed(0.6))
+        assert held_tokens == free_tokens
+        assert free_times[0] < 0.6 <= held_times[0]  # no token before the first hold ended
+        assert held_times[-1] >= second_at + 0.6  # the request went on only after the second
+        waited, waits = gate.waited
+        assert waited - waited_before >= 1.1 and waits - waits_before >= 2
 
     def test_eight_concurrent_streams_each_end_at_max_tokens(self, stop_engine, loop, stop_controlled_model):
         lengths = [30, 31, 32, 33, 34, 35, 36, 37]

@@ -49,6 +49,7 @@ VARIANT_FIELDS = (
     "token2wav_priority",
     "hift_first",
     "hift_graphs",
+    "lm_yield_ms",
     "text_lanes",
     "compile_flow",
 )

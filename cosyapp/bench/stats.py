@@ -255,6 +255,10 @@ def stage_times(
         # --compile-flow: compiles that ended inside the level (the compile thread shares the host)
         "flow_compiles": t2w1.flow_compiles - t2w0.flow_compiles,
         "compiles_elsewhere": t2w1.compiles_elsewhere - t2w0.compiles_elsewhere,
+        # --lm-yield-ms: the worker's holds on the LM and the seconds the LM waited in them
+        "lm_holds": t2w1.lm_holds - t2w0.lm_holds,
+        "lm_hold_s": t2w1.lm_hold_seconds - t2w0.lm_hold_seconds,
+        "lm_waited_s": t2w1.lm_waited_seconds - t2w0.lm_waited_seconds,
     }
 
 

@@ -173,4 +173,5 @@ def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
         stream_priority=options.token2wav_priority,
         hift_first=options.hift_first and on_gpu and options.overlap_hift,  # its own stream only then
         hift_graphs=options.hift_graphs and on_gpu,
+        lm_yield_ms=options.lm_yield_ms if on_gpu else 0.0,  # the LM and the flow take turns on a GPU only
     )

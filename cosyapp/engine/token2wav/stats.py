@@ -41,3 +41,8 @@ class Token2WavStats:
     flow_compile_seconds: float = 0.0
     flow_compiling: bool = False
     compiles_elsewhere: int = 0
+    # --lm-yield-ms (yielding.py): steps that held the LM, the holds' seconds, and the seconds the LM
+    # waited in them (the gate's count: every worker of the process).
+    lm_holds: int = 0
+    lm_hold_seconds: float = 0.0
+    lm_waited_seconds: float = 0.0

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cosyapp.engine.cuda_streams import role_stream
+from cosyapp.engine.lm.gate import process_gate
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.compiling import COMPILER
@@ -40,6 +41,7 @@ from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, Stream, stamp
 from cosyapp.engine.token2wav.vocoding import Vocoding
+from cosyapp.engine.token2wav.yielding import Hold, LmYield
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
 from cosyapp.options import DEFAULTS
 
@@ -65,8 +67,9 @@ class Token2Wav:
     (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
     streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
     hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). flow_overlap: a step's
-    incremental call on a CUDA stream of its own beside its recompute calls (``_flow``). Jobs
-    submitted before start() wait for it.
+    incremental call on a CUDA stream of its own beside its recompute calls (``_flow``). lm_yield_ms:
+    the longest a step that makes a first chunk holds the LM's decode steps (yielding.py; 0: never).
+    Jobs submitted before start() wait for it.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Token2Wav:
         hift_first: bool = False,
         hift_graphs: bool = False,
         flow_overlap: bool = False,
+        lm_yield_ms: float = 0.0,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -103,7 +107,8 @@ class Token2Wav:
         self.stream_priority, self.hift_first = stream_priority, hift_first
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
-        self._handoff: queue.Queue[list[Job] | None] = queue.Queue(HANDOFF_STEPS)
+        self._handoff: queue.Queue[tuple[list[Job], Hold | None] | None] = queue.Queue(HANDOFF_STEPS)
+        self.lm_yield = LmYield(process_gate(), lm_yield_ms / 1000) if lm_yield_ms > 0 else None
         self._stopped = False
         self._stats = Token2WavStats()
         self.vocoding = Vocoding(HiFTRunner(model.hift, hift_graphs), self._stats, model.sample_rate)
@@ -171,7 +176,8 @@ class Token2Wav:
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
         cached = self.cached.counters() if self.cached is not None else {}
-        return replace(self._stats, queue_depth=len(self._queue), **cached, **COMPILER.counters())
+        held = self.lm_yield.counters() if self.lm_yield is not None else {}
+        return replace(self._stats, queue_depth=len(self._queue), **cached, **held, **COMPILER.counters())
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
@@ -185,7 +191,10 @@ class Token2Wav:
             raise ValueError(f"speed must be positive, got {speed}")
         if streaming and math.floor((TOKEN_MEL_RATIO * self.first_hop - 1) / speed) <= MEL_CACHE_FRAMES:
             raise ValueError(f"speed {speed} is too high for streaming with a first hop of {self.first_hop}")
-        return Stream(prompt, speed, streaming, seed, self.first_hop, self.submit, self.expect)
+        stream = Stream(prompt, speed, streaming, seed, self.first_hop, self.submit, self.expect)
+        if self.lm_yield is not None:
+            self.lm_yield.add(stream)
+        return stream
 
     async def whole_clip(
         self, prompt: PromptInputs, tokens: list[int], speed: float = 1.0, seed: int | None = None
@@ -235,17 +244,33 @@ class Token2Wav:
                 for job in live:
                     with failing([job], "prompt upload"):
                         job.stream.attach(self.model.device, dtype)
-                self._flow([job for job in live if job.stream.live])
+                hold = self.lm_yield.hold(live) if self.lm_yield is not None else None
+                try:
+                    self._flow([job for job in live if job.stream.live])
+                except BaseException:
+                    self._release(hold)
+                    raise
                 if self.overlap_hift:
-                    self._handoff.put(live)  # waits while HANDOFF_STEPS steps are ahead of HiFT
+                    self._handoff.put((live, hold))  # waits while HANDOFF_STEPS steps are ahead of HiFT
                 else:
-                    self.vocoding.step(live)
+                    self._vocode(live, hold)
 
     def _vocode_work(self) -> None:
         """The HiFT thread (overlap_hift): each handed-over step, in the order the flow finished them."""
         with torch.inference_mode(), self._own_cuda_stream("hift", first=self.hift_first):
-            while (jobs := self._handoff.get()) is not None:
-                self.vocoding.step(jobs)
+            while (handed := self._handoff.get()) is not None:
+                self._vocode(*handed)
+
+    def _vocode(self, jobs: list[Job], hold: Hold | None) -> None:
+        """HiFT for a flow step's jobs, then the end of the LM's hold for them (yielding.py)."""
+        try:
+            self.vocoding.step(jobs)
+        finally:
+            self._release(hold)
+
+    def _release(self, hold: Hold | None) -> None:
+        if self.lm_yield is not None:
+            self.lm_yield.release(hold)
 
     def _own_cuda_stream(self, role: str, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
