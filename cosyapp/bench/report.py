@@ -106,6 +106,11 @@ def row(level: dict) -> str:
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "
                 f"({stages['graph_capture_s']:.2f} s)"
             )
+        if stages.get("lm_holds"):
+            parts.append(
+                f"LM held {stages['lm_holds']} times, {stages['lm_hold_s']:.2f} s; "
+                f"it waited {stages['lm_waited_s']:.2f} s"
+            )
     first = level.get("first_chunk_p50")
     if first:
         parts.append("first chunk p50 ms: " + ", ".join(f"{stage} {_ms(s)}" for stage, s in first.items()))
