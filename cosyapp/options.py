@@ -50,7 +50,9 @@ class ServeOptions:
     compile_flow: compile the flow estimator with torch.compile (engine/token2wav/fused.py): its
         forward whole (the recompute path), its transformer blocks for the incremental flow (with a
         pool of attention inputs; else its memory-bound pieces); the first start compiles them
-        (minutes on a GPU), later starts read them from cache_dir/inductor.
+        (minutes on a GPU, serving eagerly meanwhile), later starts read them from cache_dir/inductor.
+        None (the default): where the model is on a GPU (measured there: docs/benchmarks/README.md,
+        "The LM held for first chunks; the compiled flow in the engine").
     compile_hift: run each of HiFT's Snake activations as one kernel compiled by torch.compile
         (engine/token2wav/fused.py fuse_hift) instead of five; cached as compile_flow's. None (the
         default): where the model is on a GPU (measured there: docs/benchmarks/README.md).
@@ -112,7 +114,7 @@ class ServeOptions:
     flow_cache_gb: float | None = None
     chunked_final: bool = False
     flow_cache_inputs: bool = True
-    compile_flow: bool = False
+    compile_flow: bool | None = None
     compile_hift: bool | None = None
     gather_ms: float = 2.0
     expect_ms: float = 20.0
@@ -122,7 +124,7 @@ class ServeOptions:
     token2wav_priority: int = 0
     hift_first: bool = True
     hift_graphs: bool = False
-    lm_yield_ms: float = 0.0
+    lm_yield_ms: float = 400.0
     lm_in_process: bool = False
     lm_stream_interval: int = 1
     lm_sampler_graphs: bool = True

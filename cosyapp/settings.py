@@ -42,12 +42,13 @@ class Settings:
     gather_ms: float = DEFAULTS.gather_ms
     expect_ms: float = DEFAULTS.expect_ms
     text_lanes: int = DEFAULTS.text_lanes
-    compile_flow: bool = DEFAULTS.compile_flow
+    compile_flow: bool | None = DEFAULTS.compile_flow
     compile_hift: bool | None = DEFAULTS.compile_hift
     hift_graphs: bool = DEFAULTS.hift_graphs
     lm_in_process: bool = DEFAULTS.lm_in_process
     lm_stream_interval: int = DEFAULTS.lm_stream_interval
     lm_sampler_graphs: bool = DEFAULTS.lm_sampler_graphs
+    lm_yield_ms: float = DEFAULTS.lm_yield_ms
     token2wav_priority: int = DEFAULTS.token2wav_priority
     hift_first: bool = DEFAULTS.hift_first
     max_text_chars: int = DEFAULTS.max_text_chars
@@ -110,9 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--asr-model",
         default=_env("ASR_MODEL", defaults.asr_model),
-        help="Whisper model that transcribes voice prompts: a hub repo id or a folder in the hub's layout; "
-        "the default falls back to a tiny random-weight one when it cannot be downloaded (as --demo does) "
-        "(default: %(default)s; env COSYAPP_ASR_MODEL)",
+        help="Whisper model that transcribes voice prompts (hub repo id or folder); the default falls back "
+        "to a tiny random one when it cannot be downloaded (default: %(default)s; env COSYAPP_ASR_MODEL)",
     )
     add(
         "--no-asr",
@@ -133,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; env COSYAPP_ENGINE)",
     )
     add(
-        "--host",
-        default=_env("HOST", defaults.host),
-        help="address to serve on (default: %(default)s; env COSYAPP_HOST)",
+        "--host", default=_env("HOST", defaults.host), help="address (default: %(default)s; env COSYAPP_HOST)"
     )
     add(
         "--port",
@@ -184,18 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunked-final",
         action="store_true",
         default=_flag("CHUNKED_FINAL"),
-        help="with --flow-cache-gb: compute a stream's last chunk incrementally with streaming masks, "
-        "not upstream's full-attention recompute: faster, different last-chunk audio "
-        "(env COSYAPP_CHUNKED_FINAL=1)",
+        help="compute a stream's last chunk incrementally with streaming masks, not as upstream's full "
+        "attention recompute: faster, different last-chunk audio (env COSYAPP_CHUNKED_FINAL=1)",
     )
     add(
         "--flow-cache-inputs",
         action=argparse.BooleanOptionalAction,
         default=_flag("FLOW_CACHE_INPUTS", defaults.flow_cache_inputs),
-        help="the incremental streaming flow keeps each attention's input (256 channels) instead of its "
-        "keys and values (2 x 512): four times the streams in the same memory, for a key/value "
-        "projection over each stream's past in every call; the same audio (default: %(default)s; "
-        "env COSYAPP_FLOW_CACHE_INPUTS)",
+        help="the incremental flow keeps each attention's input instead of its keys and values: four times "
+        "the streams per GB, the same audio (default: %(default)s; env COSYAPP_FLOW_CACHE_INPUTS)",
     )
     add(
         "--text-lanes",
@@ -220,11 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--compile-flow",
-        action="store_true",
-        default=_flag("COMPILE_FLOW"),
-        help="compile the flow estimator with torch.compile (its forward whole, the memory-bound pieces "
-        "of the incremental flow's blocks), minutes on a first start (kept under --cache-dir); the "
-        "same audio within float rounding (env COSYAPP_COMPILE_FLOW=1)",
+        action=argparse.BooleanOptionalAction,
+        default=None if _env("COMPILE_FLOW", None) is None else _flag("COMPILE_FLOW"),
+        help="compile the flow estimator with torch.compile, minutes on a first start while serving eagerly "
+        "(kept under --cache-dir); the same audio within float rounding (default: on a GPU; env "
+        "COSYAPP_COMPILE_FLOW=1 or 0)",
     )
     add(
         "--compile-hift",
@@ -252,26 +247,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-stream-interval",
         type=int,
         default=int(_env("LM_STREAM_INTERVAL", defaults.lm_stream_interval)),
-        help="speech tokens vLLM gathers into each output to this process: more cuts the host work "
-        "per token at many streams, and a chunk waits up to that many - 1 decode steps more "
-        "(default: %(default)s; env COSYAPP_LM_STREAM_INTERVAL)",
+        help="speech tokens vLLM gathers into each output to this process: more cuts the host work per "
+        "token, a chunk waits up to that many - 1 steps more (default: %(default)s; env "
+        "COSYAPP_LM_STREAM_INTERVAL)",
     )
     add(
         "--lm-sampler-graphs",
         action=argparse.BooleanOptionalAction,
         default=_flag("LM_SAMPLER_GRAPHS", defaults.lm_sampler_graphs),
-        help="on a GPU, replay the LM's RAS draw of each decode step from a CUDA graph per batch size "
-        "instead of launching its ~40 small kernels; the same tokens (default: %(default)s; env "
-        "COSYAPP_LM_SAMPLER_GRAPHS)",
+        help="on a GPU, replay the LM's RAS draw of each decode step from a CUDA graph per batch size: the "
+        "same tokens, one launch instead of ~40 (default: %(default)s; env COSYAPP_LM_SAMPLER_GRAPHS)",
+    )
+    add(
+        "--lm-yield-ms",
+        type=float,
+        default=float(_env("LM_YIELD_MS", defaults.lm_yield_ms)),
+        help="on a GPU, the longest the LM waits while a stream's first audio is made, within what playing "
+        "streams can spare; 0 = never (default: %(default)s; env COSYAPP_LM_YIELD_MS)",
     )
     add(
         "--token2wav-priority",
         type=int,
         choices=(0, -1),
         default=int(_env("TOKEN2WAV_PRIORITY", defaults.token2wav_priority)),
-        help="CUDA stream priority of the flow and HiFT: -1 runs their kernels before the LM's when "
-        "both wait, which matters only with --lm-in-process (default: %(default)s; env "
-        "COSYAPP_TOKEN2WAV_PRIORITY)",
+        help="CUDA stream priority of the flow and HiFT: -1 runs their kernels before the LM's when both "
+        "wait, only with --lm-in-process (default: %(default)s; env COSYAPP_TOKEN2WAV_PRIORITY)",
     )
     add(
         "--hift-first",

@@ -25,16 +25,19 @@ def test_compile_hift_is_no_variant_field(capsys):
     [
         # compiling is one way: a later variant would measure the compiled flow it did not ask for
         (["--variant", "c:compile_flow=true", "--variant", "h:first_hop=15"], "the last variant only"),
-        (["--compile-flow", "--variant", "c:compile_flow=true"], "no --compile-flow"),
-        (["--variant", "c:compile_flow=false"], "no --compile-flow"),
+        (["--compile-flow", "--variant", "c:compile_flow=true"], "compiles an eagerly served flow"),
+        (["--variant", "c:compile_flow=false"], "compiles an eagerly served flow"),
+        # the flow is compiled by default on a GPU: there the variant needs --no-compile-flow
+        (["--device", "cuda", "--variant", "c:compile_flow=true"], "add --no-compile-flow"),
     ],
 )
 def test_a_compile_flow_variant_compiles_an_eager_flow_last(capsys, argv, message):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
-    args = parse_args(["--variant", "h:first_hop=15", "--variant", "c:compile_flow=true"])
-    assert args.variants == {"h": {"first_hop": 15}, "c": {"compile_flow": True}}
+    for eager in (["--device", "cpu"], ["--device", "cuda", "--no-compile-flow"]):
+        args = parse_args([*eager, "--variant", "h:first_hop=15", "--variant", "c:compile_flow=true"])
+        assert args.variants == {"h": {"first_hop": 15}, "c": {"compile_flow": True}}
 
 
 def test_a_variant_measures_the_levels_again_with_its_worker_options(tmp_path):

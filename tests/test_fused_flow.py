@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_flow_cache import assert_close, prompt, recompute, schedule, stream_frames
 
-from cosyapp.engine.build import build_pipeline
+from cosyapp.engine.build import build_pipeline, compiles_flow
 from cosyapp.engine.token2wav import compiled_blocks
 from cosyapp.engine.token2wav.compiled_blocks import attend_block, compile_blocks, deferred_attend_block
 from cosyapp.engine.token2wav.compiling import COMPILER
@@ -272,3 +272,11 @@ def test_the_compile_thread_writes_no_page_a_stream_holds(fused):
     assert kept.abs().sum() > 0  # the call committed pages
     assert COMPILER.wait(timeout_s=900) and deferred_attend_block().ready
     assert torch.equal(runner.pool.kv[:, ROWS * (TRASH + 1) :], kept)
+
+
+def test_the_default_compiles_the_flow_on_a_gpu_and_a_choice_wins_anywhere():
+    """The rule prepare_flow follows; a CUDA device object needs no GPU to exist."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert compiles_flow(gpu, ServeOptions()) and not compiles_flow(cpu, ServeOptions())
+    assert not compiles_flow(gpu, ServeOptions(compile_flow=False))
+    assert compiles_flow(cpu, ServeOptions(compile_flow=True))

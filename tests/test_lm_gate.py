@@ -117,13 +117,13 @@ def test_a_hold_leaves_the_playing_streams_their_reserve():
     policy = LmYield(LmGate.create(), max_s=0.4)
     playing = _stream()
     policy.add(playing)
-    playing.delivered(0.7)  # 0.7 s of audio from now on
+    playing.delivered(RESERVE_S + 0.2)  # the reserve and 0.2 s more of audio from now on
     policy.release(policy.hold([_job(_stream(), 0)]))
     assert policy.holds == 1
     hold = policy.hold([_job(_stream(), 0)])
-    assert 0.15 < _held_for(policy.gate) <= 0.7 - RESERVE_S
+    assert 0.15 < _held_for(policy.gate) <= 0.2
     policy.release(hold)
-    playing.first_audio_at -= 0.7 - RESERVE_S - MIN_HOLD_S / 2  # too little slack left
+    playing.first_audio_at -= 0.2 - MIN_HOLD_S / 2  # too little slack left
     assert policy.hold([_job(_stream(), 0)]) is None
     playing.cancelled.set()  # it ended: it no longer counts
     assert policy.hold([_job(_stream(), 0)]) is not None

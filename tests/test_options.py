@@ -24,20 +24,20 @@ def test_the_command_line_defaults_are_the_options_defaults():
     assert parse_settings([]).serve_options() == DEFAULTS
 
 
-@pytest.mark.parametrize(("field", "default"), [("compile_flow", False), ("compile_hift", None)])
-def test_the_compile_flags_and_their_variables_turn_compiling_on(monkeypatch, field, default):
-    """compile_hift's default None means: where the model is on a GPU (engine/build.py)."""
+@pytest.mark.parametrize("field", ["compile_flow", "compile_hift"])
+def test_the_compile_flags_and_their_variables_turn_compiling_on_and_off(monkeypatch, field):
+    """The default None means: where the model is on a GPU (engine/build.py)."""
     from cosyapp.settings import parse_settings
 
-    assert getattr(DEFAULTS, field) is default
-    assert getattr(parse_settings([]).serve_options(), field) is default
+    assert getattr(DEFAULTS, field) is None
+    assert getattr(parse_settings([]).serve_options(), field) is None
     assert getattr(parse_settings(["--" + field.replace("_", "-")]).serve_options(), field) is True
     monkeypatch.setenv("COSYAPP_" + field.upper(), "1")
     assert getattr(parse_settings([]).serve_options(), field) is True
-    if default is None:
-        assert parse_settings(["--no-compile-hift"]).serve_options().compile_hift is False
-        monkeypatch.setenv("COSYAPP_COMPILE_HIFT", "0")
-        assert parse_settings([]).serve_options().compile_hift is False
+    flag = "--no-" + field.replace("_", "-")
+    assert getattr(parse_settings([flag]).serve_options(), field) is False
+    monkeypatch.setenv("COSYAPP_" + field.upper(), "0")
+    assert getattr(parse_settings([]).serve_options(), field) is False
 
 
 def test_the_command_line_choices_reach_the_options():

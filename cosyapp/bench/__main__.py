@@ -29,6 +29,8 @@ from cosyapp.bench.drivers import DRIVERS
 from cosyapp.bench.load import MODEL_RATIO, TEXT_SETS
 from cosyapp.bench.report import plot_paths, write_plots
 from cosyapp.bench.stall import stall_dumps
+from cosyapp.engine.build import compiles_flow
+from cosyapp.models.checkpoint import pick_device
 from cosyapp.options import DEFAULTS, ENGINES, OptionError, ServeOptions
 
 MODES = ("stream", "whole")
@@ -171,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--compile-flow",
-        action="store_true",
-        help="the flow estimator compiled by torch.compile (as serve's flag)",
+        action=argparse.BooleanOptionalAction,
+        help="the flow estimator compiled by torch.compile (as serve's flag; default: on a GPU)",
     )
     add(
         "--compile-hift",
@@ -259,8 +261,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if changes.get("compile_flow"):
             parser.error(f"--variant {name}: compile_flow compiles the flow for good: the last variant only")
     for name, changes in args.variants.items():
-        if "compile_flow" in changes and (args.compile_flow or not changes["compile_flow"]):
-            parser.error(f"--variant {name}: compile_flow=true compiles an eager flow: no --compile-flow")
+        eager = not compiles_flow(pick_device(args.device), args.serve)
+        if "compile_flow" in changes and not (eager and changes["compile_flow"]):
+            parser.error(
+                f"--variant {name}: compile_flow=true compiles an eagerly served flow "
+                "(on a GPU: add --no-compile-flow)"
+            )
     if args.variants and "pipeline" not in args.drivers:
         parser.error("--variant measures the pipeline driver: add pipeline to --drivers")
     http = [d for d in args.drivers if d != "pipeline"]
@@ -286,8 +292,8 @@ def _variant(parser: argparse.ArgumentParser, text: str, base: ServeOptions) -> 
         current = getattr(base, field)
         if value.lower() == "none":
             changes[field] = None
-        elif isinstance(current, bool):
-            if value.lower() not in ("true", "false"):
+        elif isinstance(current, bool) or (current is None and value.lower() in ("true", "false")):
+            if value.lower() not in ("true", "false"):  # None: a choice left open (compile_flow)
                 parser.error(f"--variant {text!r}: {field} takes true or false")
             changes[field] = value.lower() == "true"
         else:

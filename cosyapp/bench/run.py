@@ -29,7 +29,14 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
-from cosyapp.engine.build import build_pipeline, build_token2wav, choose_engine, lm_beside, prepare_flow
+from cosyapp.engine.build import (
+    build_pipeline,
+    build_token2wav,
+    choose_engine,
+    compiles_flow,
+    lm_beside,
+    prepare_flow,
+)
 from cosyapp.engine.pipeline import Pipeline
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.compiling import epoch
@@ -63,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict:
             startup = time.perf_counter() - started
             stall.progress()
             stack.push_async_callback(pipeline.shutdown)
-            if options.compile_flow:
+            if compiles_flow(device, options):
                 started = time.perf_counter()
                 await _compiled(pipeline, warm_up=device.type != "cpu")
                 compile_wait = time.perf_counter() - started
@@ -164,7 +171,8 @@ async def _measure_variant(
         # On a GPU the old pool stayed allocated after the collection below (an H100 run sized the
         # next pool from what was left and then ran out of memory): free it outright.
         old.cached.free()
-    compiles = options.compile_flow and not args.serve.compile_flow
+    device = pipeline.model.device
+    compiles = compiles_flow(device, options) and not compiles_flow(device, args.serve)
     if compiles:  # the last variant (parse_args): the flow compiled in place, its graphs made anew
         prepare_flow(pipeline.model.flow, pipeline.model.device, options)
     pipeline.token2wav = build_token2wav(pipeline.model, options)

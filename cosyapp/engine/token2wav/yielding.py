@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from cosyapp.engine.lm.gate import LmGate
 from cosyapp.engine.token2wav.stream import Job, Stream
 
-RESERVE_S = 0.5
+RESERVE_S = 1.0
 MIN_HOLD_S = 0.02
 
 
