@@ -78,8 +78,9 @@ class ServeOptions:
     hift_graphs: on a GPU, replay HiFT calls from CUDA graphs, one per batch bucket and length
         (engine/token2wav/hift_graphs.py); the same audio, its random draws made ahead per stream.
     lm_yield_ms: on a GPU, the longest a token2wav step that makes some stream's first chunk holds the
-        LM's decode steps, so its flow and HiFT calls have the GPU alone (engine/token2wav/yielding.py,
-        engine/lm/gate.py); a hold ends early where streams already playing would run short; 0 = never.
+        LM's decode steps and the next flow call, so its flow and HiFT calls have the GPU alone
+        (engine/token2wav/yielding.py, engine/lm/gate.py); a hold ends early where streams already
+        playing would run short; 0 = never.
     lm_in_process: step vLLM's engine core on a thread of this process (engine/lm/inproc.py), so its
         kernels overlap the flow's instead of taking turns with them; False: its own process.
     lm_stream_interval: speech tokens vLLM gathers into each output it hands this process (its

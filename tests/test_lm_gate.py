@@ -143,16 +143,19 @@ def _prompt(prompt_len: int = 20) -> PromptInputs:
 
 
 @pytest.mark.parametrize("overlap_hift", [False, True], ids=["hift-in-turn", "hift-thread"])
-def test_the_worker_holds_the_lm_from_a_first_chunk_s_flow_until_its_audio_is_out(tiny_model, overlap_hift):
+def test_the_lm_and_the_next_flow_call_wait_for_a_first_chunk_s_audio(tiny_model, overlap_hift):
     tokens = torch.randint(0, 6561, (120,), generator=torch.Generator().manual_seed(1)).tolist()
-    seen: list[float] = []
+    jobs: list = []
 
     async def main(engine: Token2Wav) -> list:
+        submit = engine.submit
+        engine.submit = lambda job: (jobs.append(job), submit(job))[1]  # the jobs, seen on their way
+
         async def lm():
-            for i in range(0, len(tokens), 5):
-                yield tokens[i : i + 5]
-                seen.append(engine.lm_yield.gate.held_until)
-                await asyncio.sleep(0)
+            yield tokens[:40]  # the first chunk's (a 30-token hop after a 20-token prompt, and 3 more)
+            while not jobs or "flow_start" not in jobs[0].times:
+                await asyncio.sleep(0.001)
+            yield tokens[40:]  # every later chunk is due while the first one's flow runs
 
         stream = engine.open_stream(_prompt(), seed=0)
         return [chunk async for chunk in stream.run(lm())]
@@ -161,12 +164,16 @@ def test_the_worker_holds_the_lm_from_a_first_chunk_s_flow_until_its_audio_is_ou
         engine = Token2Wav(tiny_model, lm_yield_ms=5000, overlap_hift=overlap_hift)
         engine.start()
         try:
-            return await main(engine), engine.stats(), engine.lm_yield.gate.held_until
+            chunks = await main(engine)
         finally:
-            engine.stop()
+            engine.stop()  # the worker's threads are done: their counters are final
+        return chunks, engine.stats(), engine.lm_yield.gate.held_until
 
     chunks, stats, held_until = asyncio.run(runner())
     assert len(chunks) >= 3
     assert stats.lm_holds == 1  # the first chunk's step only
     assert 0 < stats.lm_hold_seconds < 5  # released when its audio was out, not at the hold's end
     assert held_until == 0.0
+    first, second = jobs[:2]
+    assert first.offset == 0 and second.offset > 0
+    assert second.times["flow_start"] >= first.times["hift_end"]  # the first audio before the next flow call

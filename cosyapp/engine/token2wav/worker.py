@@ -244,14 +244,13 @@ class Token2Wav:
                 for job in live:
                     with failing([job], "prompt upload"):
                         job.stream.attach(self.model.device, dtype)
+                # A hold this thread never hands on (it failed) ends at its own end time (gate.py).
                 hold = self.lm_yield.hold(live) if self.lm_yield is not None else None
-                try:
-                    self._flow([job for job in live if job.stream.live])
-                except BaseException:
-                    self._release(hold)
-                    raise
+                self._flow([job for job in live if job.stream.live])
                 if self.overlap_hift:
                     self._handoff.put((live, hold))  # waits while HANDOFF_STEPS steps are ahead of HiFT
+                    if hold is not None:  # the first chunks' audio before the next flow call (yielding.py)
+                        hold.done.wait(max(0.0, hold.until - time.monotonic()))
                 else:
                     self._vocode(live, hold)
 
@@ -266,11 +265,8 @@ class Token2Wav:
         try:
             self.vocoding.step(jobs)
         finally:
-            self._release(hold)
-
-    def _release(self, hold: Hold | None) -> None:
-        if self.lm_yield is not None:
-            self.lm_yield.release(hold)
+            if hold is not None:
+                self.lm_yield.release(hold)
 
     def _own_cuda_stream(self, role: str, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'

@@ -1,7 +1,10 @@
 """When the token2wav worker holds the LM's decode steps (``--lm-yield-ms``; the gate: engine/lm/gate.py).
 
 A step that makes some stream's first chunk holds the LM from its flow call until that step's audio
-is out (HiFT done), so the flow and HiFT have the GPU without the LM's time slices in between. The
+is out (HiFT done), so the flow and HiFT have the GPU without the LM's time slices in between; the
+worker's next flow step waits for that audio too (worker.py), so HiFT does not share the GPU with a
+flow call either (at 64 streams on an H100 the first chunk's HiFT took 500-544 ms to launch beside
+the next step's flow call and the LM's steps, against 99 ms for a call of 64 alone). The
 hold costs the LM that time, and every stream's next chunk comes that much later, so it is bounded
 twice: by ``max_s``, and by the slack of the streams already playing, the least audio any of them
 has left beyond ``RESERVE_S`` (what its next chunk may still need once the LM goes on: the chunk's
@@ -11,7 +14,7 @@ tokens, a flow call and HiFT). No stream plays yet: the hold is ``max_s``. Too l
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cosyapp.engine.lm.gate import LmGate
 from cosyapp.engine.token2wav.stream import Job, Stream
@@ -24,6 +27,8 @@ MIN_HOLD_S = 0.02
 class Hold:
     gate_hold: int
     started: float
+    until: float  # its end at the latest (monotonic)
+    done: threading.Event = field(default_factory=threading.Event)  # set once it is released
 
 
 class LmYield:
@@ -54,12 +59,13 @@ class LmYield:
         if seconds < MIN_HOLD_S:
             return None
         self.holds += 1
-        return Hold(self.gate.hold(now + seconds), now)
+        return Hold(self.gate.hold(now + seconds), now, now + seconds)
 
     def release(self, hold: Hold | None) -> None:
         if hold is not None:
             self.gate.release(hold.gate_hold)
             self.held_seconds += time.monotonic() - hold.started
+            hold.done.set()
 
     def counters(self) -> dict:
         """Token2WavStats fields: holds, their seconds, and the seconds the LM waited in them."""
