@@ -66,6 +66,12 @@ class ServeOptions:
         shares their flow call instead of holding them back by a whole call; 0 = none (at most 50).
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
+    step_frames_per_row: a token2wav step's flow calls stay within max_batch x this many padded frames
+        (engine/token2wav/scheduler.py): 250, the widest incremental chunk (5 s), so a step of
+        max_batch streaming chunks never splits, while sentence-long jobs share steps sparingly and a
+        step (the wait of a new stream's first chunk) stays short; more lets whole clips and last
+        chunks share larger calls (at 256 whole clips of 10.4 s an H100 ran calls of 23). A benchmark
+        variant field.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
         the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
         the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).
@@ -121,6 +127,7 @@ class ServeOptions:
     expect_ms: float = 20.0
     text_lanes: int = 0
     overlap_hift: bool = True
+    step_frames_per_row: int = 250
     flow_overlap: bool = False
     token2wav_priority: int = 0
     hift_first: bool = True
@@ -153,6 +160,7 @@ class ServeOptions:
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
             ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
             ("lm_yield_ms", 0 <= self.lm_yield_ms <= 1000, "must be between 0 and 1000"),
+            ("step_frames_per_row", 50 <= self.step_frames_per_row <= 4000, "must be between 50 and 4000"),
             ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),

@@ -130,3 +130,11 @@ def test_the_benchmark_names_the_flag_of_a_bad_option(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--max-batch", "0"])
     assert "--max-batch must be at least 1" in capsys.readouterr().err
+
+
+def test_the_step_size_reaches_the_worker_s_queue(tiny_model):
+    from cosyapp.engine.build import build_token2wav
+
+    worker = build_token2wav(tiny_model, ServeOptions(max_batch=4, step_frames_per_row=500))
+    assert worker.step_frames == 2000 and worker._queue.step_frames == 2000
+    assert build_token2wav(tiny_model, DEFAULTS).step_frames == DEFAULTS.max_batch * 250

@@ -52,6 +52,7 @@ VARIANT_FIELDS = (
     "hift_first",
     "hift_graphs",
     "lm_yield_ms",
+    "step_frames_per_row",
     "text_lanes",
     "compile_flow",
 )

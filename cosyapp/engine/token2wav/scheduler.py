@@ -41,9 +41,6 @@ from cosyapp.engine.token2wav.stream import Job, Stream
 
 # How long a whole-clip job may wait for streams that are about to run dry.
 WHOLE_SLACK_S = 1.0
-# Default padded frames of one step per row of max_batch: the widest incremental chunk (5 s), so a
-# step of max_batch streaming chunks never splits, while sentence-long jobs share steps sparingly.
-STEP_FRAMES_PER_ROW = 250
 # The gathering of an idle worker's step (module docstring): a quiet gap ends it, the cap bounds it.
 GATHER_MAX_S = 0.02
 

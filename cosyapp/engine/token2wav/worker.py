@@ -37,7 +37,7 @@ from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.hift_graphs import HiFTRunner
 from cosyapp.engine.token2wav.jobs import failing, recompute, retry_in_halves, rounds
-from cosyapp.engine.token2wav.scheduler import STEP_FRAMES_PER_ROW, JobQueue
+from cosyapp.engine.token2wav.scheduler import JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, Stream, stamp
 from cosyapp.engine.token2wav.vocoding import Vocoding
@@ -63,9 +63,9 @@ class Token2Wav:
     and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
     (scheduler.py); expect_ms: how long a step waits for the jobs of streams a token or two short of
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
-    reach (scheduler.py; None: max_batch x STEP_FRAMES_PER_ROW). overlap_hift: HiFT on its own thread
-    (and CUDA stream) beside the next flow step (module docstring). stream_priority: of those CUDA
-    streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
+    reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row). overlap_hift: HiFT on
+    its own thread (and CUDA stream) beside the next flow step (module docstring). stream_priority:
+    of those CUDA streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
     hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). flow_overlap: a step's
     incremental call on a CUDA stream of its own beside its recompute calls (``_flow``). lm_yield_ms:
     the longest a step that makes a first chunk holds the LM's decode steps (yielding.py; 0: never).
@@ -99,7 +99,7 @@ class Token2Wav:
         self.max_batch = max_batch
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
-        self.step_frames = step_frames or max_batch * STEP_FRAMES_PER_ROW
+        self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
         self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
