@@ -261,9 +261,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, changes in list(args.variants.items())[:-1]:
         if changes.get("compile_flow"):
             parser.error(f"--variant {name}: compile_flow compiles the flow for good: the last variant only")
-    for name, changes in args.variants.items():
-        eager = not compiles_flow(pick_device(args.device), args.serve)
-        if "compile_flow" in changes and not (eager and changes["compile_flow"]):
+    compiling = [name for name, changes in args.variants.items() if "compile_flow" in changes]
+    eager = not compiling or not compiles_flow(pick_device(args.device), args.serve)
+    for name in compiling:
+        if not (eager and args.variants[name]["compile_flow"]):
             parser.error(
                 f"--variant {name}: compile_flow=true compiles an eagerly served flow "
                 "(on a GPU: add --no-compile-flow)"

@@ -183,6 +183,5 @@ def deadline(job: Job) -> float:
     stream = job.stream
     if not stream.streaming:
         return job.submitted_at + WHOLE_SLACK_S
-    if stream.first_audio_at is None:
-        return job.submitted_at
-    return stream.first_audio_at + stream.audio_seconds
+    dry_at = stream.dry_at
+    return job.submitted_at if dry_at is None else dry_at

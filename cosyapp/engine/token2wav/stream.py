@@ -257,6 +257,11 @@ class Stream:
             mel = F.interpolate(mel[None], size=int(mel.shape[1] / self.speed), mode="linear")[0]
         return self.overlap.mel_input(mel)
 
+    @property
+    def dry_at(self) -> float | None:
+        """When its listener runs out of the audio handed over so far (monotonic); None before any."""
+        return None if self.first_audio_at is None else self.first_audio_at + self.audio_seconds
+
     def delivered(self, seconds: float) -> None:
         """Count audio handed to the consumer, for the deadline of its next job (scheduler.py)."""
         if self.first_audio_at is None:

@@ -76,5 +76,5 @@ class LmYield:
         """The least audio left to play of the live streams that play (inf: none plays)."""
         with self._lock:
             self._streams = {s for s in self._streams if s.live}
-            playing = [s for s in self._streams if s.first_audio_at is not None]
-        return min((s.first_audio_at + s.audio_seconds - now for s in playing), default=float("inf"))
+            dry = [s.dry_at for s in self._streams if s.dry_at is not None]
+        return min((at - now for at in dry), default=float("inf"))
