@@ -279,3 +279,24 @@ def test_stopping_with_hift_on_its_own_thread_ends_both_threads(tiny_model):
     # Jobs still queued when it stopped fail with the worker's message; none hangs.
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all("stopped" in str(e) for e in errors)
+
+
+def test_a_hift_group_past_the_frame_bound_runs_in_several_calls_with_the_same_audio(tiny_model):
+    # Four whole clips of one length share a HiFT group; a bound of two clips' frames splits it in two.
+    prompt = _prompt(37, seed=5)
+
+    def main_with(max_frames):
+        async def main(engine):
+            if max_frames:
+                engine.vocoding.max_frames = max_frames
+            clips = [engine.whole_clip(prompt, _tokens(60, seed=i), seed=i) for i in range(4)]
+            return await engine.together(clips, len(clips)), engine.stats()
+
+        return main
+
+    unbounded, stats = _run(tiny_model, main_with(None))
+    assert (stats.hift_calls, stats.max_hift_batch) == (1, 4)
+    bounded, stats = _run(tiny_model, main_with(2 * 120 + 1))
+    assert (stats.hift_calls, stats.max_hift_batch) == (2, 2)
+    for a, b in zip(unbounded, bounded, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)  # batched kernels round differently

@@ -12,14 +12,23 @@ from cosyapp.engine.token2wav.jobs import failing, retry_in_halves, rounds
 from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job, stamp
 
+# Mel frames in one HiFT call at most (batch x length). HiFT's activations grow with its output
+# samples (480 per frame), so 64 whole 13 s clips in one call would need several GB on top of the
+# flow's pool; 16,000 frames keeps a call within what served calls already reach (23 whole 260-token
+# clips at 256 whole clips, 64 chunks of 108 frames at 64 streams) at any step size
+# (ServeOptions.step_frames_per_row).
+HIFT_FRAMES = 16_000
+
 
 @dataclass
 class Vocoding:
-    """HiFT for the worker's steps: its runner (eager or graphs), the worker's counters, the rate."""
+    """HiFT for the worker's steps: its runner (eager or graphs), the worker's counters, the rate, and
+    the most mel frames one call may take (a longer group runs in several calls)."""
 
     hift_runner: HiFTRunner
     stats: Token2WavStats
     sample_rate: int
+    max_frames: int = HIFT_FRAMES
 
     def step(self, jobs: list[Job]) -> None:
         """One flow step's jobs, a round of at most one job per stream at a time."""
@@ -28,7 +37,8 @@ class Vocoding:
             self._vocode([job for job in jobs_round if job.stream.live])
 
     def _vocode(self, jobs: list[Job]) -> None:
-        """HiFT for at most one job per stream, batching jobs whose HiFT inputs have equal length.
+        """HiFT for at most one job per stream, batching jobs whose HiFT inputs have equal length, at
+        most ``max_frames`` mel frames a call.
 
         HiFT's convolutions are not causal (they look both ways, and the iSTFT overlaps), so padding a
         shorter mel would change the end of its audio: only equal lengths share a call, the rest run
@@ -41,7 +51,10 @@ class Vocoding:
                 has_cache = job.stream.overlap.source is not None
                 groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
         for group in groups.values():
-            retry_in_halves(group, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
+            per_call = max(1, self.max_frames // group[0][1].shape[1])
+            for start in range(0, len(group), per_call):
+                part = group[start : start + per_call]
+                retry_in_halves(part, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
 
     def _vocode_group(self, group: list[tuple[Job, Tensor]]) -> None:
         """One HiFT call for the group, then each job's cross-fade and delivery.
