@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyapp.frontend.audio import AudioTooShortError
+from cosyapp.frontend.audio import AudioTooShortError, load_prompt_audio
 from cosyapp.frontend.voice import VoiceFrontend
 from cosyapp.frontend.voice_rules import sanitize_name
 from cosyapp.frontend.voices import ASSETS_VOICES, VoiceLibrary, VoiceNotFoundError
@@ -56,15 +56,24 @@ def test_same_recording_is_featurised_once_even_after_a_restart(tmp_path, fronte
 def test_the_feature_cache_keeps_the_most_recent_recordings_and_every_saved_voice(tmp_path, frontend):
     library = VoiceLibrary(tmp_path / "data", frontend, max_cached_features=2)
     saved = library.save("kept", str(AISHELL), AISHELL_TEXT, session="a")
-    for voice_id in ("zh-aishell-w0122", "en-espeak-us", "en-espeak-gb"):
-        library.get(voice_id)
+    names = {"w0122": "zh-aishell-w0122", "us": "en-espeak-us", "gb": "en-espeak-gb"}
+    recordings = {key: load_prompt_audio(ASSETS_VOICES / f"{name}.wav") for key, name in names.items()}
+    for audio in recordings.values():
+        library.features_of(audio)
     cached = {p.stem for p in library.features_dir.glob("*.safetensors")}
     assert len(cached) == 2  # the saved voice's features and the latest recording's
     assert library.get(saved.id, "a").prompt_text == AISHELL_TEXT
     computed = library.features_computed
-    library.get("en-espeak-gb")  # still cached
-    library.get("zh-aishell-w0122")  # evicted: computed again
+    library.features_of(recordings["gb"])  # still cached
+    library.features_of(recordings["w0122"])  # evicted: computed again
     assert library.features_computed == computed + 1
+
+
+def test_a_builtin_voice_is_made_once_and_then_served_from_memory(library):
+    first = library.get("en-espeak-us")
+    for path in library.features_dir.glob("*.safetensors"):
+        path.unlink()  # the next request reads neither the recording nor its features
+    assert library.get("en-espeak-us") is first and library.features_computed == 1
 
 
 def test_private_voice_is_visible_only_to_its_session_and_survives_restart(tmp_path, frontend):

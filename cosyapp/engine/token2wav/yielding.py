@@ -61,11 +61,10 @@ class LmYield:
         self.holds += 1
         return Hold(self.gate.hold(now + seconds), now, now + seconds)
 
-    def release(self, hold: Hold | None) -> None:
-        if hold is not None:
-            self.gate.release(hold.gate_hold)
-            self.held_seconds += time.monotonic() - hold.started
-            hold.done.set()
+    def release(self, hold: Hold) -> None:
+        self.gate.release(hold.gate_hold)
+        self.held_seconds += time.monotonic() - hold.started
+        hold.done.set()
 
     def counters(self) -> dict:
         """Token2WavStats fields: holds, their seconds, and the seconds the LM waited in them."""
