@@ -296,6 +296,8 @@ def test_a_hift_group_past_the_frame_bound_runs_in_several_calls_with_the_same_a
 
     unbounded, stats = _run(tiny_model, main_with(None))
     assert (stats.hift_calls, stats.max_hift_batch) == (1, 4)
+    # One recompute call over prompt and tokens of each clip; each clip's 120 new frames delivered.
+    assert (stats.recompute_frames, stats.recompute_run_frames) == (4 * 120, 4 * 2 * (37 + 60))
     bounded, stats = _run(tiny_model, main_with(2 * 120 + 1))
     assert (stats.hift_calls, stats.max_hift_batch) == (2, 2)
     for a, b in zip(unbounded, bounded, strict=True):

@@ -68,6 +68,10 @@ def test_cached_streams_give_the_recompute_audio(tiny_model, inputs, overlap):
     assert stats.recompute_jobs == len(SPECS) and stats.incremental_jobs == chunks - len(SPECS)
     assert stats.flow_cache_fallbacks == 0 and stats.flow_cache_pages == cached.pool.pages
     assert 0 <= stats.flow_cache_least_free < cached.pool.pages - held
+    # Two mel frames per token, each handed over once; the last chunks recomputed prompt and tokens.
+    assert stats.incremental_frames + stats.recompute_frames == sum(2 * n for _, n, _, _ in SPECS)
+    assert stats.recompute_run_frames >= sum(2 * (p + n) for p, n, _, _ in SPECS)
+    assert stats.incremental_run_frames > stats.incremental_frames > 0
     # Streams of different lengths: some steps held one stream's last chunk and others' chunks.
     assert (stats.overlapped_steps > 0) == overlap
 

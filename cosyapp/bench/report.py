@@ -101,6 +101,13 @@ def row(level: dict) -> str:
                 f"streams the flow cache could not serve {stages['flow_cache_fallbacks']}, "
                 f"fewest pages free {stages.get('flow_cache_least_free')}"
             )
+        ran = [
+            f"{path} {stages[f'{path}_run_frames'] / stages[f'{path}_frames']:.2f}"
+            for path in ("incremental", "recompute")
+            if stages.get(f"{path}_frames")
+        ]
+        if ran:
+            parts.append("flow frames run per frame delivered: " + ", ".join(ran))
         if stages.get("eager_flow_calls") or stages.get("graph_captures"):
             parts.append(
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "

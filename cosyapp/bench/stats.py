@@ -248,6 +248,13 @@ def stage_times(
         "graph_capture_s": t2w1.graph_capture_seconds - t2w0.graph_capture_seconds,
         "incremental_jobs": t2w1.incremental_jobs - t2w0.incremental_jobs,
         "recompute_jobs": t2w1.recompute_jobs - t2w0.recompute_jobs,
+        # Mel frames the flow handed its jobs, and the frames it ran per item for them (padding and a
+        # recompute's prefix included), per path (Token2WavStats)
+        **{
+            f"{path}_{kind}": getattr(t2w1, f"{path}_{kind}") - getattr(t2w0, f"{path}_{kind}")
+            for path in ("incremental", "recompute")
+            for kind in ("frames", "run_frames")
+        },
         "flow_cache_fallbacks": t2w1.flow_cache_fallbacks - t2w0.flow_cache_fallbacks,
         # The fewest pages free at once since the worker started (its earlier levels included): with
         # the pool's size, what the pool needed at most.

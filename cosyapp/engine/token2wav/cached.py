@@ -58,6 +58,7 @@ class CachedFlow:
         self.chunked_final = chunked_final
         self.holders: set[Stream] = set()
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
+        self.frames = 0  # mel frames handed to jobs
         self._capturer: threading.Thread | None = None
         self._capturing = False
         kept = "attention inputs" if inputs else "keys and values"
@@ -93,6 +94,8 @@ class CachedFlow:
             "flow_cache_pages": self.pool.pages,
             "flow_cache_free_pages": self.pool.free_pages,
             "flow_cache_least_free": self.pool.least_free,
+            "incremental_frames": self.frames,
+            "incremental_run_frames": self.flow.run_frames,
         }
         graphs = self.flow.graphs
         if graphs is None:
@@ -167,6 +170,7 @@ class CachedFlow:
         for job, (mel, start) in zip(jobs, results, strict=True):
             prompt_frames = len(job.stream.device_prompt.speech_feat)
             job.mel = mel[:, prompt_frames + TOKEN_MEL_RATIO * job.offset - start :]
+            self.frames += job.mel.shape[1]
             if job.finalize:
                 self.release(job.stream)
         return []

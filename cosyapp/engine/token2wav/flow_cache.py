@@ -220,6 +220,7 @@ class IncrementalFlow:
         self.step_fn = IncrementalEstimator(estimator, pool.inputs)
         cfg_rate = flow.decoder.inference_cfg_rate
         self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
+        self.run_frames = 0  # new frames the calls ran per item, their shape's padding included
 
     @torch.inference_mode()
     def __call__(self, items: list[FlowItem]) -> list[tuple[Tensor, int]] | None:
@@ -257,6 +258,7 @@ class IncrementalFlow:
             raise
         mel = x.float()
         rows = shape[0]
+        self.run_frames += rows * shape[1]
         results = []
         for b, item in enumerate(items):
             cache = item.cache

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from cosyapp.engine.token2wav.stats import Token2WavStats
 from cosyapp.engine.token2wav.stream import Job
 from cosyapp.engine.token2wav.turns import empty_cache_in_turn
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
@@ -80,10 +81,15 @@ def rounds(jobs: list[Job]) -> Iterator[list[Job]]:
 
 
 def recompute(
-    model: CosyVoice2, autocast_dtype: torch.dtype | None, jobs: list[Job], streaming: bool, finalize: bool
+    model: CosyVoice2,
+    autocast_dtype: torch.dtype | None,
+    jobs: list[Job],
+    streaming: bool,
+    finalize: bool,
+    stats: Token2WavStats | None = None,
 ) -> list[Tensor]:
     """One padded flow call over prompt + every token of each job (all of one mode): each job's new
-    frames (80, n) in float32, from its token ``offset`` on."""
+    frames (80, n) in float32, from its token ``offset`` on. Counts its frames in ``stats``."""
     dev = model.device
     prompts = [job.stream.device_prompt for job in jobs]
     with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -98,4 +104,9 @@ def recompute(
             streaming=streaming,
             finalize=finalize,
         )
-    return [mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)]
+    mels = [mel[i, :, TOKEN_MEL_RATIO * job.offset : int(mel_len[i])].float() for i, job in enumerate(jobs)]
+    if stats is not None:
+        lengths = [len(p.speech_tokens) + len(job.tokens) for p, job in zip(prompts, jobs, strict=True)]
+        stats.recompute_run_frames += TOKEN_MEL_RATIO * max(lengths) * len(jobs)
+        stats.recompute_frames += sum(m.shape[1] for m in mels)
+    return mels

@@ -30,6 +30,14 @@ class Token2WavStats:
     # without a pool).
     incremental_jobs: int = 0
     recompute_jobs: int = 0
+    # Mel frames the flow handed its jobs, and the frames its estimator ran per item for them, padding
+    # included (a recompute's prompt and earlier tokens, the longest item of its call; an incremental
+    # call's shape bucket), by path: their ratio is the flow's work per delivered frame. A recompute
+    # graph's own bucket (rows, 128 frames) is not counted.
+    incremental_frames: int = 0
+    incremental_run_frames: int = 0
+    recompute_frames: int = 0
+    recompute_run_frames: int = 0
     flow_cache_fallbacks: int = 0
     flow_cache_pages: int = 0
     flow_cache_free_pages: int = 0

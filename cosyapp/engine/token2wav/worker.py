@@ -387,9 +387,8 @@ class Token2Wav:
 
     def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
         """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
-        call = functools.partial(
-            recompute, self.model, self.autocast_dtype, streaming=streaming, finalize=finalize
-        )
+        mode = {"streaming": streaming, "finalize": finalize, "stats": self._stats}
+        call = functools.partial(recompute, self.model, self.autocast_dtype, **mode)
         mels = self._timed(call, jobs)
         for job, mel in zip(jobs, mels, strict=True):
             job.mel = mel
