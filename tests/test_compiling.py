@@ -68,6 +68,19 @@ def test_calls_run_eagerly_until_the_compile_thread_has_compiled_their_kind(fres
     assert len(fn.ready) == 2 and set(backend.threads) == {"flow-compile"}
 
 
+def test_calls_made_while_the_compile_thread_is_held_compile_once_every_hold_has_ended(fresh_compiles):
+    backend = Recorder()
+    fn = deferred(backend)
+    x, w = torch.randn(6, 16), torch.randn(16, 16) / 4
+    with COMPILER.held():
+        with COMPILER.held():  # a start inside another: both must end
+            torch.testing.assert_close(fn(x, w), mlp(x, w), rtol=0, atol=0)  # eager
+        assert not COMPILER.wait(timeout_s=1.0)  # queued, not compiled
+        assert not fn.ready and backend.threads == []
+    assert COMPILER.wait(timeout_s=120)
+    assert kind((x, w), {}) in fn.ready and backend.threads == ["flow-compile"]
+
+
 def test_a_kind_whose_compile_fails_stays_eager_and_the_thread_goes_on(fresh_compiles):
     failing, working = deferred(Recorder(fail=True)), deferred(Recorder())
     x, w = torch.randn(5, 8), torch.randn(8, 8)

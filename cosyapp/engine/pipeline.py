@@ -42,6 +42,7 @@ from cosyapp.engine.request import MAX_SEED, SynthesisRequest
 from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for callers of the Pipeline
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.text_workers import TextWorkers
+from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.modes import INSTRUCT, VOICE_CONVERSION, instruction_prompt, lm_prompt
 from cosyapp.frontend.text import Sentence, TextFrontend
@@ -172,13 +173,15 @@ class Pipeline(ServingFront):
                 await self.lm.start()
             with _timed(phases, "text_workers"):
                 await self.text_workers.start()
-            with _timed(phases, "flow_graphs"):
-                await asyncio.to_thread(self.token2wav.capture_graphs)
-            self.token2wav.start()
-            self._started = True
-            if warm_up:
-                with _timed(phases, "warm_up"):
-                    await self.warm_up_token2wav()
+            # --compile-flow compiles once the start is done (COMPILER.held): serving starts eagerly.
+            with COMPILER.held():
+                with _timed(phases, "flow_graphs"):
+                    await asyncio.to_thread(self.token2wav.capture_graphs)
+                self.token2wav.start()
+                self._started = True
+                if warm_up:
+                    with _timed(phases, "warm_up"):
+                        await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
         """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once (in
