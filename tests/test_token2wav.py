@@ -300,5 +300,7 @@ def test_a_hift_group_past_the_frame_bound_runs_in_several_calls_with_the_same_a
     assert (stats.recompute_frames, stats.recompute_run_frames) == (4 * 120, 4 * 2 * (37 + 60))
     bounded, stats = _run(tiny_model, main_with(2 * 120 + 1))
     assert (stats.hift_calls, stats.max_hift_batch) == (2, 2)
+    _, stats = _run(tiny_model, main_with(3 * 120))  # three clips a call at most: two calls of two
+    assert (stats.hift_calls, stats.max_hift_batch) == (2, 2)
     for a, b in zip(unbounded, bounded, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)  # batched kernels round differently

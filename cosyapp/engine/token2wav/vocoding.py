@@ -51,9 +51,10 @@ class Vocoding:
                 has_cache = job.stream.overlap.source is not None
                 groups.setdefault((mel.shape[1], has_cache), []).append((job, mel))
         for group in groups.values():
-            per_call = max(1, self.max_frames // group[0][1].shape[1])
-            for start in range(0, len(group), per_call):
-                part = group[start : start + per_call]
+            calls = -(-len(group) // max(1, self.max_frames // group[0][1].shape[1]))
+            size = -(-len(group) // calls)  # even calls: 64 clips of 520 frames go as 22 + 21 + 21
+            for start in range(0, len(group), size):
+                part = group[start : start + size]
                 retry_in_halves(part, self._vocode_group, lambda batch: [job for job, _ in batch], "HiFT")
 
     def _vocode_group(self, group: list[tuple[Job, Tensor]]) -> None:
