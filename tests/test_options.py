@@ -138,3 +138,25 @@ def test_the_step_size_reaches_the_worker_s_queue(tiny_model):
     worker = build_token2wav(tiny_model, ServeOptions(max_batch=4, step_frames_per_row=500))
     assert worker.step_frames == 2000 and worker._queue.step_frames == 2000
     assert build_token2wav(tiny_model, DEFAULTS).step_frames == DEFAULTS.max_batch * 250
+
+
+def test_what_only_a_gpu_gains_from_is_on_there_and_off_on_a_cpu():
+    import torch
+
+    from cosyapp.engine.build import token2wav_settings
+
+    gpu_only = {"flow_cache_graphs": True, "overlap_hift": True, "hift_first": True, "lm_yield_ms": 400.0}
+    gpu = token2wav_settings(torch.device("cuda"), DEFAULTS)
+    cpu = token2wav_settings(torch.device("cpu"), DEFAULTS)
+    assert {k: gpu[k] for k in gpu_only} == gpu_only and DEFAULTS.lm_yield_ms == 400.0
+    assert {k: cpu[k] for k in gpu_only} == {k: False for k in gpu_only} | {"lm_yield_ms": 0.0}
+    assert gpu["autocast_dtype"] == torch.float16 and cpu["autocast_dtype"] is None
+    # Asked for, the GPU's levers stay off elsewhere; turned off, they are off on a GPU too.
+    asked = replace(DEFAULTS, flow_overlap=True, hift_graphs=True)
+    assert not any(token2wav_settings(torch.device("cpu"), asked)[k] for k in ("flow_overlap", "hift_graphs"))
+    assert all(token2wav_settings(torch.device("cuda"), asked)[k] for k in ("flow_overlap", "hift_graphs"))
+    off = replace(DEFAULTS, overlap_hift=False, lm_yield_ms=0.0)
+    assert not token2wav_settings(torch.device("cuda"), off)[
+        "hift_first"
+    ]  # its own stream only with the thread
+    assert token2wav_settings(torch.device("cuda"), off)["lm_yield_ms"] == 0.0

@@ -156,18 +156,23 @@ def flow_autocast_dtype(device: torch.device, options: ServeOptions) -> torch.dt
 
 def build_token2wav(model: CosyVoice2, options: ServeOptions) -> Token2Wav:
     """The token2wav worker over ``model`` (prepared by build_pipeline), not started."""
-    on_gpu = model.device.type == "cuda"
     flow_dtype, stored = flow_autocast_dtype(model.device, options), model.flow.matmul_dtype
     if stored is not None and stored != flow_dtype:
         raise ValueError(
             f"the flow's matrix weights are stored in {stored} (build_pipeline); a token2wav worker in "
             f"{options.flow_dtype or 'float32'} needs a model loaded again"
         )
-    return Token2Wav(
-        model,
+    return Token2Wav(model, **token2wav_settings(model.device, options))
+
+
+def token2wav_settings(device: torch.device, options: ServeOptions) -> dict:
+    """The token2wav worker's arguments for ``options`` on ``device``: what only a GPU gains from
+    (graphs, threads and CUDA streams of its own, the LM's holds) is off elsewhere."""
+    on_gpu = device.type == "cuda"
+    return dict(
         max_batch=options.max_batch,
         first_hop=options.first_hop,
-        autocast_dtype=flow_dtype,
+        autocast_dtype=flow_autocast_dtype(device, options),
         flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
         flow_cache_graphs=options.cuda_graphs and on_gpu,
         chunked_final=options.chunked_final,
