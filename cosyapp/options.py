@@ -72,6 +72,10 @@ class ServeOptions:
         step (the wait of a new stream's first chunk) stays short; more lets whole clips and last
         chunks share larger calls (at 256 whole clips of 10.4 s an H100 ran calls of 23). A benchmark
         variant field.
+    whole_step_frames_per_row: the same bound for a step while no stream streams (only whole clips
+        wait): larger calls are then cheaper per clip and keep no listener waiting (the compiled
+        forward alone: 15.1 ms a clip at 64 clips, 19.6 at 16, on an H100). A new stream's first chunk
+        may wait for one such step. 250: as step_frames_per_row. A benchmark variant field.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
         the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
         the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).
@@ -128,6 +132,7 @@ class ServeOptions:
     text_lanes: int = 0
     overlap_hift: bool = True
     step_frames_per_row: int = 250
+    whole_step_frames_per_row: int = 250
     flow_overlap: bool = False
     token2wav_priority: int = 0
     hift_first: bool = True
@@ -161,6 +166,11 @@ class ServeOptions:
             ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
             ("lm_yield_ms", 0 <= self.lm_yield_ms <= 1000, "must be between 0 and 1000"),
             ("step_frames_per_row", 50 <= self.step_frames_per_row <= 4000, "must be between 50 and 4000"),
+            (
+                "whole_step_frames_per_row",
+                50 <= self.whole_step_frames_per_row <= 4000,
+                "must be between 50 and 4000",
+            ),
             ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),
             ("lm_stream_interval", 1 <= self.lm_stream_interval <= 25, "must be between 1 and 25"),

@@ -135,8 +135,10 @@ def test_the_benchmark_names_the_flag_of_a_bad_option(capsys):
 def test_the_step_size_reaches_the_worker_s_queue(tiny_model):
     from cosyapp.engine.build import build_token2wav
 
-    worker = build_token2wav(tiny_model, ServeOptions(max_batch=4, step_frames_per_row=500))
+    options = ServeOptions(max_batch=4, step_frames_per_row=500, whole_step_frames_per_row=1000)
+    worker = build_token2wav(tiny_model, options)
     assert worker.step_frames == 2000 and worker._queue.step_frames == 2000
+    assert worker._queue.whole_step_frames == 4000
     assert build_token2wav(tiny_model, DEFAULTS).step_frames == DEFAULTS.max_batch * 250
 
 

@@ -363,3 +363,26 @@ def test_no_expecting_leaves_the_quiet_gap_alone_and_later_expectations_are_not_
     batch, waited = _take_while_putting(queue, [a], gap_s=0.0)
     later.join()
     assert batch == [a] and 0.9 <= waited < 4.0
+
+
+def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop):
+    def clips(queue, count=6):  # 240 padded frames each
+        for _ in range(count):
+            clip = _job(loop, _stream(streaming=False), 100)
+            queue.open(clip.stream)
+            queue.put(clip)
+
+    queue = JobQueue(8, 500, _recompute_cost, whole_step_frames=1000)
+    clips(queue)
+    assert len(queue.take()) == 4  # 4 x 240 within 1000: no stream streams
+    assert len(queue.take()) == 2
+    streaming = _stream()
+    queue.open(streaming)  # opened, not yet run: its first chunk may come any moment
+    clips(queue)
+    assert len(queue.take()) == 2  # 2 x 240 within 500
+    streaming.cancelled.set()  # its run() ended, however it ended: whole-clip steps again
+    assert len(queue.take()) == 4
+    # Without a bound of their own, whole clips keep to the step's.
+    plain = JobQueue(8, 500, _recompute_cost)
+    clips(plain)
+    assert len(plain.take()) == 2

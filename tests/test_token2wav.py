@@ -304,3 +304,21 @@ def test_a_hift_group_past_the_frame_bound_runs_in_several_calls_with_the_same_a
     assert (stats.hift_calls, stats.max_hift_batch) == (2, 2)
     for a, b in zip(unbounded, bounded, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)  # batched kernels round differently
+
+
+def test_whole_clips_share_larger_steps_until_a_stream_streams(tiny_model):
+    # Clips of 60 tokens after a 37-token prompt pad a call to 194 frames each: steps of 400 hold two,
+    # steps of 800 four, while no stream streams.
+    prompt = _prompt(37, seed=5)
+
+    async def main(engine):
+        clips = [engine.whole_clip(prompt, _tokens(60, seed=i), seed=i) for i in range(4)]
+        await engine.together(clips, len(clips))
+        alone = engine.stats().max_flow_batch
+        stream = engine.open_stream(prompt, seed=9)  # opened: its first chunk may come any moment
+        clips = [engine.whole_clip(prompt, _tokens(60, seed=i), seed=i) for i in range(4)]
+        await engine.together(clips, len(clips))
+        return alone, engine.stats().last_flow_batch, stream
+
+    alone, beside, _ = _run(tiny_model, main, max_batch=4, step_frames=400, whole_step_frames=800)
+    assert (alone, beside) == (4, 2)

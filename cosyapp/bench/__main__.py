@@ -53,6 +53,7 @@ VARIANT_FIELDS = (
     "hift_graphs",
     "lm_yield_ms",
     "step_frames_per_row",
+    "whole_step_frames_per_row",
     "text_lanes",
     "compile_flow",
 )

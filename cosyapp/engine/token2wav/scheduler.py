@@ -11,7 +11,10 @@ A step takes jobs in deadline order while the padded size of the flow call each 
 longest job's frames, per flow group) stays within ``step_frames``. The first job always fits, so a
 huge job runs in a step of its own instead of padding a whole batch of small ones to its length,
 and the next step is never further away than one bounded call (docs/model.md §8.6). A stream's
-jobs stay in order: once one is left for a later step, so are the stream's later jobs.
+jobs stay in order: once one is left for a later step, so are the stream's later jobs. While no
+stream streams (none opened, ``open``, is live), only whole clips wait and no listener hears a gap:
+a step may then reach ``whole_step_frames``, whose larger calls cost less per clip; a stream opened
+meanwhile may wait for one such step.
 
 Jobs that become due together reach the queue one by one: at one LM step every stream in lockstep
 gets its chunk's last token, and the event loop hands the streams their tokens in turn. A worker
@@ -35,6 +38,7 @@ Every method is thread-safe: the event loop puts jobs, the worker's flow thread 
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 
 from cosyapp.engine.token2wav.stream import Job, Stream
@@ -59,8 +63,11 @@ class JobQueue:
         gather_s: float = 0.0,
         gather_max_s: float = GATHER_MAX_S,
         expect_s: float = 0.0,
+        whole_step_frames: int | None = None,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
+        self.whole_step_frames = whole_step_frames or step_frames
+        self._streaming: weakref.WeakSet[Stream] = weakref.WeakSet()  # opened, until they end
         self.gather_s, self.gather_max_s, self.expect_s = gather_s, gather_max_s, expect_s
         self._jobs: list[Job] = []
         self._expected: set[Stream] = set()  # streams whose next job is a token or two away
@@ -71,6 +78,12 @@ class JobQueue:
     def __len__(self) -> int:
         with self._changed:
             return len(self._jobs)
+
+    def open(self, stream: Stream) -> None:
+        """A stream begins: while a streaming one is live, steps keep to ``step_frames``."""
+        if stream.streaming:
+            with self._changed:
+                self._streaming.add(stream)
 
     def put(self, job: Job) -> None:
         with self._changed:
@@ -154,8 +167,17 @@ class JobQueue:
             if len(self._jobs) == count and not expecting(time.monotonic() - start):
                 return
 
+    def _bound(self) -> int:
+        """The step's padded size: ``whole_step_frames`` while no stream streams."""
+        for stream in list(self._streaming):
+            if stream.live:  # its run() ends it, however it ends
+                return self.step_frames
+            self._streaming.discard(stream)
+        return self.whole_step_frames
+
     def _select(self) -> list[Job]:
         order = sorted(range(len(self._jobs)), key=lambda i: (deadline(self._jobs[i]), i))
+        bound = self._bound()
         batch: list[Job] = []
         groups: dict[Hashable, tuple[int, int]] = {}  # group -> (rows, longest frames)
         left_behind: set[int] = set()  # streams with a job left for a later step
@@ -168,7 +190,7 @@ class JobQueue:
             group, frames = self.cost(job)
             rows, longest = groups.get(group, (0, 0))
             rows, longest = rows + 1, max(longest, frames)
-            if batch and rows * longest > self.step_frames:
+            if batch and rows * longest > bound:
                 left_behind.add(id(job.stream))
                 continue
             groups[group] = (rows, longest)

@@ -63,7 +63,8 @@ class Token2Wav:
     and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
     (scheduler.py); expect_ms: how long a step waits for the jobs of streams a token or two short of
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
-    reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row). overlap_hift: HiFT on
+    reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row), whole_step_frames while no
+    stream streams (None: step_frames). overlap_hift: HiFT on
     its own thread (and CUDA stream) beside the next flow step (module docstring). stream_priority:
     of those CUDA streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
     hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). flow_overlap: a step's
@@ -85,6 +86,7 @@ class Token2Wav:
         gather_ms: float = DEFAULTS.gather_ms,
         expect_ms: float = DEFAULTS.expect_ms,
         step_frames: int | None = None,
+        whole_step_frames: int | None = None,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
         hift_first: bool = False,
@@ -100,6 +102,7 @@ class Token2Wav:
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
         self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
+        self.whole_step_frames = whole_step_frames or self.step_frames
         self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
@@ -118,7 +121,8 @@ class Token2Wav:
         self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
 
     def _new_queue(self) -> JobQueue:
-        return JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s, expect_s=self.expect_s)
+        waits = {"expect_s": self.expect_s, "whole_step_frames": self.whole_step_frames}
+        return JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s, **waits)
 
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
@@ -192,6 +196,7 @@ class Token2Wav:
         if streaming and math.floor((TOKEN_MEL_RATIO * self.first_hop - 1) / speed) <= MEL_CACHE_FRAMES:
             raise ValueError(f"speed {speed} is too high for streaming with a first hop of {self.first_hop}")
         stream = Stream(prompt, speed, streaming, seed, self.first_hop, self.submit, self.expect)
+        self._queue.open(stream)
         if self.lm_yield is not None:
             self.lm_yield.add(stream)
         return stream
