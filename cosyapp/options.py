@@ -73,9 +73,10 @@ class ServeOptions:
         chunks share larger calls (at 256 whole clips of 10.4 s an H100 ran calls of 23). A benchmark
         variant field.
     whole_step_frames_per_row: the same bound for a step while no stream streams (only whole clips
-        wait): larger calls are then cheaper per clip and keep no listener waiting (the compiled
-        forward alone: 15.1 ms a clip at 64 clips, 19.6 at 16, on an H100). A new stream's first chunk
-        may wait for one such step. 250: as step_frames_per_row. A benchmark variant field.
+        wait; none ended in the last second, as between a request's sentences): larger calls are
+        then cheaper per clip and keep no listener waiting (the compiled forward alone: 15.1 ms a
+        clip at 64 clips, 19.6 at 16, on an H100). A new stream's first chunk may wait for one such
+        step. 250: as step_frames_per_row. A benchmark variant field.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
         the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
         the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).

@@ -372,7 +372,7 @@ def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop
             queue.open(clip.stream)
             queue.put(clip)
 
-    queue = JobQueue(8, 500, _recompute_cost, whole_step_frames=1000)
+    queue = JobQueue(8, 500, _recompute_cost, whole_step_frames=1000, whole_grace_s=0.3)
     clips(queue)
     assert len(queue.take()) == 4  # 4 x 240 within 1000: no stream streams
     assert len(queue.take()) == 2
@@ -380,7 +380,10 @@ def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop
     queue.open(streaming)  # opened, not yet run: its first chunk may come any moment
     clips(queue)
     assert len(queue.take()) == 2  # 2 x 240 within 500
-    streaming.cancelled.set()  # its run() ended, however it ended: whole-clip steps again
+    streaming.cancelled.set()  # its run() ended, however it ended: the next sentence's may follow
+    assert len(queue.take()) == 2
+    time.sleep(0.3)  # none followed: whole-clip steps again
+    clips(queue)
     assert len(queue.take()) == 4
     # Without a bound of their own, whole clips keep to the step's.
     plain = JobQueue(8, 500, _recompute_cost)

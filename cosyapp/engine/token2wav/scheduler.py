@@ -12,9 +12,10 @@ longest job's frames, per flow group) stays within ``step_frames``. The first jo
 huge job runs in a step of its own instead of padding a whole batch of small ones to its length,
 and the next step is never further away than one bounded call (docs/model.md §8.6). A stream's
 jobs stay in order: once one is left for a later step, so are the stream's later jobs. While no
-stream streams (none opened, ``open``, is live), only whole clips wait and no listener hears a gap:
-a step may then reach ``whole_step_frames``, whose larger calls cost less per clip; a stream opened
-meanwhile may wait for one such step.
+stream streams (none opened, ``open``, is live, and none ended in the last ``WHOLE_GRACE_S``: a
+streaming request opens each sentence's stream as the one before ends), only whole clips wait and no
+listener hears a gap: a step may then reach ``whole_step_frames``, whose larger calls cost less per
+clip; a stream opened meanwhile may wait for one such step.
 
 Jobs that become due together reach the queue one by one: at one LM step every stream in lockstep
 gets its chunk's last token, and the event loop hands the streams their tokens in turn. A worker
@@ -36,6 +37,7 @@ come). A stream that submits its job, or ends, is expected no more.
 Every method is thread-safe: the event loop puts jobs, the worker's flow thread takes them.
 """
 
+import math
 import threading
 import time
 import weakref
@@ -47,6 +49,9 @@ from cosyapp.engine.token2wav.stream import Job, Stream
 WHOLE_SLACK_S = 1.0
 # The gathering of an idle worker's step (module docstring): a quiet gap ends it, the cap bounds it.
 GATHER_MAX_S = 0.02
+
+# How long after a streaming stream has ended steps keep to ``step_frames`` (module docstring).
+WHOLE_GRACE_S = 1.0
 
 # A job's flow group (the jobs one padded flow call can hold) and the frames it makes that call pad to.
 Cost = Callable[[Job], tuple[Hashable, int]]
@@ -64,10 +69,13 @@ class JobQueue:
         gather_max_s: float = GATHER_MAX_S,
         expect_s: float = 0.0,
         whole_step_frames: int | None = None,
+        whole_grace_s: float = WHOLE_GRACE_S,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
         self.whole_step_frames = whole_step_frames or step_frames
         self._streaming: weakref.WeakSet[Stream] = weakref.WeakSet()  # opened, until they end
+        self.whole_grace_s = whole_grace_s
+        self._stream_ended_at = -math.inf  # when a step last found an opened stream ended
         self.gather_s, self.gather_max_s, self.expect_s = gather_s, gather_max_s, expect_s
         self._jobs: list[Job] = []
         self._expected: set[Stream] = set()  # streams whose next job is a token or two away
@@ -169,10 +177,14 @@ class JobQueue:
 
     def _bound(self) -> int:
         """The step's padded size: ``whole_step_frames`` while no stream streams."""
+        now = time.monotonic()
         for stream in list(self._streaming):
             if stream.live:  # its run() ends it, however it ends
                 return self.step_frames
             self._streaming.discard(stream)
+            self._stream_ended_at = now
+        if now - self._stream_ended_at < self.whole_grace_s:
+            return self.step_frames
         return self.whole_step_frames
 
     def _select(self) -> list[Job]:
