@@ -1,6 +1,7 @@
 """The token2wav worker's choice of jobs: earliest deadline first, bounded steps, streams in order."""
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -385,6 +386,13 @@ def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop
     time.sleep(0.3)  # none followed: whole-clip steps again
     clips(queue)
     assert len(queue.take()) == 4
+    # A stream freed before any step saw it end counts as ended then.
+    freed = _stream()
+    queue.open(freed)
+    del freed
+    gc.collect()
+    clips(queue)
+    assert len(queue.take()) == 2
     # Without a bound of their own, whole clips keep to the step's.
     plain = JobQueue(8, 500, _recompute_cost)
     clips(plain)

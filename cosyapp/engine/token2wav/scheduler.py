@@ -73,9 +73,11 @@ class JobQueue:
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
         self.whole_step_frames = whole_step_frames or step_frames
-        self._streaming: weakref.WeakSet[Stream] = weakref.WeakSet()  # opened, until they end
+        # Streaming streams opened, until a step finds them ended or they are freed (either counts
+        # as an end: ``_bound``).
+        self._streaming: dict[int, weakref.ref[Stream]] = {}
         self.whole_grace_s = whole_grace_s
-        self._stream_ended_at = -math.inf  # when a step last found an opened stream ended
+        self._stream_ended_at = -math.inf
         self.gather_s, self.gather_max_s, self.expect_s = gather_s, gather_max_s, expect_s
         self._jobs: list[Job] = []
         self._expected: set[Stream] = set()  # streams whose next job is a token or two away
@@ -90,8 +92,13 @@ class JobQueue:
     def open(self, stream: Stream) -> None:
         """A stream begins: while a streaming one is live, steps keep to ``step_frames``."""
         if stream.streaming:
+            key = id(stream)
             with self._changed:
-                self._streaming.add(stream)
+                self._streaming[key] = weakref.ref(stream, lambda _: self._ended(key))
+
+    def _ended(self, key: int) -> None:
+        self._streaming.pop(key, None)
+        self._stream_ended_at = time.monotonic()
 
     def put(self, job: Job) -> None:
         with self._changed:
@@ -177,13 +184,12 @@ class JobQueue:
 
     def _bound(self) -> int:
         """The step's padded size: ``whole_step_frames`` while no stream streams."""
-        now = time.monotonic()
-        for stream in list(self._streaming):
-            if stream.live:  # its run() ends it, however it ends
+        for key, ref in list(self._streaming.items()):
+            stream = ref()
+            if stream is not None and stream.live:  # its run() ends it, however it ends
                 return self.step_frames
-            self._streaming.discard(stream)
-            self._stream_ended_at = now
-        if now - self._stream_ended_at < self.whole_grace_s:
+            self._ended(key)
+        if time.monotonic() - self._stream_ended_at < self.whole_grace_s:
             return self.step_frames
         return self.whole_step_frames
 
