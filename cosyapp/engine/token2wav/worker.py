@@ -102,7 +102,7 @@ class Token2Wav:
         self.first_hop = first_hop
         self.autocast_dtype = autocast_dtype
         self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
-        self.whole_step_frames = whole_step_frames or self.step_frames
+        self.whole_step_frames = whole_step_frames  # None: the queue keeps to step_frames
         self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
