@@ -64,6 +64,9 @@ class ServeOptions:
     expect_ms: how long a token2wav step waits, at most, for the chunks of streams a token or two
         short of theirs (engine/token2wav/scheduler.py): a stream one LM step ahead of the others then
         shares their flow call instead of holding them back by a whole call; 0 = none (at most 50).
+    fill_ms: how long a token2wav step that holds no urgent job (a first chunk, a whole clip, a
+        stream about to run dry) waits for more, so that the flow runs fuller steps and leaves the
+        LM more of the GPU (engine/token2wav/scheduler.py); 0 = never (at most 500).
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     step_frames_per_row: a token2wav step's flow calls stay within max_batch x this many padded frames
@@ -130,6 +133,7 @@ class ServeOptions:
     compile_hift: bool | None = None
     gather_ms: float = 2.0
     expect_ms: float = 20.0
+    fill_ms: float = 0.0
     text_lanes: int = 0
     overlap_hift: bool = True
     step_frames_per_row: int = 250
@@ -165,6 +169,7 @@ class ServeOptions:
             ("flow_cache_gb", self.flow_cache_gb is None or self.flow_cache_gb >= 0, "must not be negative"),
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
             ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
+            ("fill_ms", 0 <= self.fill_ms <= 500, "must be between 0 and 500"),
             ("lm_yield_ms", 0 <= self.lm_yield_ms <= 1000, "must be between 0 and 1000"),
             ("step_frames_per_row", 50 <= self.step_frames_per_row <= 4000, "must be between 50 and 4000"),
             (

@@ -79,6 +79,7 @@ def test_the_benchmark_defaults_are_the_options_defaults():
         ("cosyapp.engine.token2wav.worker:Token2Wav", "first_hop", "first_hop"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "stream_priority", "token2wav_priority"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "expect_ms", "expect_ms"),
+        ("cosyapp.engine.token2wav.worker:Token2Wav", "fill_ms", "fill_ms"),
         ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
         ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
         ("cosyapp.engine.pipeline:Pipeline", "text_lanes", "text_lanes"),
@@ -108,6 +109,7 @@ def test_engine_constructors_default_to_the_options(constructor, parameter, opti
         ({"flow_dtype": "int8"}, "flow_dtype must be one of"),
         ({"token2wav_priority": 1}, "token2wav_priority must be 0 or -1"),
         ({"expect_ms": 60}, "expect_ms must be between 0 and 50"),
+        ({"fill_ms": 501}, "fill_ms must be between 0 and 500"),
         ({"text_lanes": -1}, "text_lanes must be between 0"),
     ],
 )
@@ -132,13 +134,14 @@ def test_the_benchmark_names_the_flag_of_a_bad_option(capsys):
     assert "--max-batch must be at least 1" in capsys.readouterr().err
 
 
-def test_the_step_size_reaches_the_worker_s_queue(tiny_model):
+def test_the_step_size_and_the_fill_reach_the_worker_s_queue(tiny_model):
     from cosyapp.engine.build import build_token2wav
 
-    options = ServeOptions(max_batch=4, step_frames_per_row=500, whole_step_frames_per_row=1000)
+    options = ServeOptions(max_batch=4, step_frames_per_row=500, whole_step_frames_per_row=1000, fill_ms=150)
     worker = build_token2wav(tiny_model, options)
     assert worker.step_frames == 2000 and worker._queue.step_frames == 2000
     assert worker._queue.whole_step_frames == 4000
+    assert worker._queue.fill_s == 0.15
     assert build_token2wav(tiny_model, DEFAULTS).step_frames == DEFAULTS.max_batch * 250
 
 

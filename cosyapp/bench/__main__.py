@@ -45,6 +45,7 @@ VARIANT_FIELDS = (
     "flow_cache_inputs",
     "gather_ms",
     "expect_ms",
+    "fill_ms",
     "overlap_hift",
     "flow_overlap",
     "max_batch",

@@ -113,6 +113,8 @@ def row(level: dict) -> str:
                 f"eager flow calls {stages['eager_flow_calls']}, graph captures {stages['graph_captures']} "
                 f"({stages['graph_capture_s']:.2f} s)"
             )
+        if stages.get("fills"):
+            parts.append(f"steps that waited to fill {stages['fills']}, {stages['fill_s']:.2f} s")
         if stages.get("lm_holds"):
             parts.append(
                 f"LM held {stages['lm_holds']} times, {stages['lm_hold_s']:.2f} s; "

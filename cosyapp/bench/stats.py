@@ -266,6 +266,9 @@ def stage_times(
         "lm_holds": t2w1.lm_holds - t2w0.lm_holds,
         "lm_hold_s": t2w1.lm_hold_seconds - t2w0.lm_hold_seconds,
         "lm_waited_s": t2w1.lm_waited_seconds - t2w0.lm_waited_seconds,
+        # fill_ms: steps that waited for more jobs, and their waits
+        "fills": t2w1.fills - t2w0.fills,
+        "fill_s": t2w1.fill_seconds - t2w0.fill_seconds,
     }
 
 

@@ -34,6 +34,16 @@ the queue when its next chunk is as few tokens away as its next arrival of token
 first look, up to ``expect_s`` (the quiet gap ends an idle worker's gathering only once they have
 come). A stream that submits its job, or ends, is expected no more.
 
+The flow shares the GPU with the LM, whose decode steps make the jobs. A step of few jobs costs
+nearly what a full one does (its kernels are small, its buckets padded), and while it runs the LM
+gets a slice of the GPU only: at 256 streams on an H100 the flow ran 89 % of the time in steps of
+about 21 jobs, just what the slowed LM had made meanwhile (docs/benchmarks/README.md). With
+``fill_s`` a step that holds no urgent job waits for more, up to ``fill_s`` or until ``max_batch``
+have come. A job is urgent while its listener waits on it or soon will: a first chunk, a whole
+clip, or the next job of a stream that runs dry within ``FILL_MARGIN_S`` and has not run dry yet. A
+stream already dry is not: its listener hears a gap whatever this step does, and fuller steps leave
+the LM more of the GPU, so every stream's next chunk comes sooner.
+
 Every method is thread-safe: the event loop puts jobs, the worker's flow thread takes them.
 """
 
@@ -52,6 +62,8 @@ GATHER_MAX_S = 0.02
 
 # How long after a streaming stream has ended steps keep to ``step_frames`` (module docstring).
 WHOLE_GRACE_S = 1.0
+# A stream this close to running dry makes its job urgent: a filling step waits no more.
+FILL_MARGIN_S = 1.0
 
 # A job's flow group (the jobs one padded flow call can hold) and the frames it makes that call pad to.
 Cost = Callable[[Job], tuple[Hashable, int]]
@@ -70,6 +82,7 @@ class JobQueue:
         expect_s: float = 0.0,
         whole_step_frames: int | None = None,
         whole_grace_s: float = WHOLE_GRACE_S,
+        fill_s: float = 0.0,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
         self.whole_step_frames = whole_step_frames or step_frames
@@ -79,6 +92,9 @@ class JobQueue:
         self.whole_grace_s = whole_grace_s
         self._stream_ended_at = -math.inf
         self.gather_s, self.gather_max_s, self.expect_s = gather_s, gather_max_s, expect_s
+        self.fill_s = fill_s
+        self.fills = 0  # steps that waited to fill (module docstring) ...
+        self.fill_seconds = 0.0  # ... and how long in all
         self._jobs: list[Job] = []
         self._expected: set[Stream] = set()  # streams whose next job is a token or two away
         self._changed = threading.Condition()
@@ -115,6 +131,11 @@ class JobQueue:
                 self._expected.discard(stream)
                 self._changed.notify()
 
+    def counters(self) -> dict:
+        """The fills so far (Token2WavStats)."""
+        with self._changed:
+            return {"fills": self.fills, "fill_seconds": self.fill_seconds}
+
     @property
     def expected(self) -> int:
         with self._changed:
@@ -148,6 +169,7 @@ class JobQueue:
                     if not gathered:
                         gathered = True
                         self._gather(idle)
+                        self._fill()
                         continue  # closed or held meanwhile: look again
                     batch = self._select()
                     taken = set(map(id, batch))
@@ -181,6 +203,23 @@ class JobQueue:
             self._changed.wait(min(self.gather_s, self.gather_max_s - waited))
             if len(self._jobs) == count and not expecting(time.monotonic() - start):
                 return
+
+    def _fill(self) -> None:
+        """Wait (lock held, released while waiting) while the step would hold fewer than
+        ``max_batch`` jobs and none urgent, up to ``fill_s`` (module docstring)."""
+        if self.fill_s <= 0:
+            return
+        start = time.monotonic()
+        while not self._closed and len(self._jobs) < self.max_batch:
+            now = time.monotonic()
+            left = self.fill_s - (now - start)
+            if left <= 0 or any(urgent(job, now) for job in self._jobs):
+                break
+            self._changed.wait(left)  # a put wakes it to look again
+        waited = time.monotonic() - start
+        if waited > 0.001:
+            self.fills += 1
+            self.fill_seconds += waited
 
     def _bound(self) -> int:
         """The step's padded size: ``whole_step_frames`` while no stream streams."""
@@ -225,3 +264,11 @@ def deadline(job: Job) -> float:
         return job.submitted_at + WHOLE_SLACK_S
     dry_at = stream.dry_at
     return job.submitted_at if dry_at is None else dry_at
+
+
+def urgent(job: Job, now: float) -> bool:
+    """Whether a filling step must not wait on: see the module docstring."""
+    stream = job.stream
+    if not stream.streaming or stream.dry_at is None:
+        return True
+    return now <= stream.dry_at <= now + FILL_MARGIN_S

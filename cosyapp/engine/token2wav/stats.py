@@ -54,3 +54,6 @@ class Token2WavStats:
     lm_holds: int = 0
     lm_hold_seconds: float = 0.0
     lm_waited_seconds: float = 0.0
+    # fill_ms (scheduler.py): steps that waited for more jobs, and their waits' seconds.
+    fills: int = 0
+    fill_seconds: float = 0.0

@@ -34,12 +34,13 @@ from cosyapp.engine.lm.gate import process_gate
 from cosyapp.engine.token2wav.cached import CachedFlow
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.compiling import COMPILER
+from cosyapp.engine.token2wav.flow_steps import FlowSteps
 from cosyapp.engine.token2wav.graphs import capture_estimator_graphs
 from cosyapp.engine.token2wav.hift_graphs import HiFTRunner
-from cosyapp.engine.token2wav.jobs import failing, recompute, retry_in_halves, rounds
+from cosyapp.engine.token2wav.jobs import failing
 from cosyapp.engine.token2wav.scheduler import JobQueue
 from cosyapp.engine.token2wav.stats import Token2WavStats
-from cosyapp.engine.token2wav.stream import Job, Stream, stamp
+from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.engine.token2wav.vocoding import Vocoding
 from cosyapp.engine.token2wav.yielding import Hold, LmYield
 from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2, PromptInputs
@@ -64,11 +65,12 @@ class Token2Wav:
     (scheduler.py); expect_ms: how long a step waits for the jobs of streams a token or two short of
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row), whole_step_frames while no
-    stream streams (None: step_frames). overlap_hift: HiFT on
+    stream streams (None: step_frames). fill_ms: how long a step with no urgent job waits for more
+    (scheduler.py; 0: never). overlap_hift: HiFT on
     its own thread (and CUDA stream) beside the next flow step (module docstring). stream_priority:
     of those CUDA streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
     hift_graphs: replay HiFT calls from CUDA graphs (hift_graphs.py). flow_overlap: a step's
-    incremental call on a CUDA stream of its own beside its recompute calls (``_flow``). lm_yield_ms:
+    incremental call on a CUDA stream of its own beside its recompute calls (flow_steps.py). lm_yield_ms:
     the longest a step that makes a first chunk holds the LM's decode steps (yielding.py; 0: never).
     Jobs submitted before start() wait for it.
     """
@@ -87,6 +89,7 @@ class Token2Wav:
         expect_ms: float = DEFAULTS.expect_ms,
         step_frames: int | None = None,
         whole_step_frames: int | None = None,
+        fill_ms: float = 0.0,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
         hift_first: bool = False,
@@ -103,31 +106,36 @@ class Token2Wav:
         self.autocast_dtype = autocast_dtype
         self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
         self.whole_step_frames = whole_step_frames  # None: the queue keeps to step_frames
-        self.gather_s, self.expect_s = gather_ms / 1000, expect_ms / 1000
+        self.gather_s, self.expect_s, self.fill_s = gather_ms / 1000, expect_ms / 1000, fill_ms / 1000
+        self._stats = Token2WavStats()
+        self.flow = FlowSteps(model, autocast_dtype, self._stats, flow_overlap, stream_priority)
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
-        self.overlap_hift, self.flow_overlap = overlap_hift, flow_overlap
-        self.stream_priority, self.hift_first = stream_priority, hift_first
+        self.overlap_hift, self.stream_priority, self.hift_first = overlap_hift, stream_priority, hift_first
         self._thread: threading.Thread | None = None
         self._vocoder: threading.Thread | None = None
         self._handoff: queue.Queue[tuple[list[Job], Hold | None] | None] = queue.Queue(HANDOFF_STEPS)
         self.lm_yield = LmYield(process_gate(), lm_yield_ms / 1000) if lm_yield_ms > 0 else None
         self._stopped = False
-        self._stats = Token2WavStats()
         self.vocoding = Vocoding(HiFTRunner(model.hift, hift_graphs), self._stats, model.sample_rate)
-        self.cached: CachedFlow | None = None
         dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
         flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
         self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
 
     def _new_queue(self) -> JobQueue:
-        waits = {"expect_s": self.expect_s, "whole_step_frames": self.whole_step_frames}
-        return JobQueue(self.max_batch, self.step_frames, self._cost, self.gather_s, **waits)
+        waits = {"expect_s": self.expect_s, "fill_s": self.fill_s}
+        bounds = {"whole_step_frames": self.whole_step_frames}
+        return JobQueue(self.max_batch, self.step_frames, self.flow.cost, self.gather_s, **waits, **bounds)
+
+    @property
+    def cached(self) -> CachedFlow | None:
+        """The incremental flow and its page pool, once started (None: every chunk recomputes)."""
+        return self.flow.cached
 
     def start(self) -> None:
         """Start the worker's thread(s), first giving the incremental flow its pages; idempotent."""
-        if self.cached is None:
-            self.cached = self._cached_flow()
+        if self.flow.cached is None:
+            self.flow.cached = self._cached_flow()
         if self._thread is None:
             if self._stopped:  # started again after stop(), which closed the queue
                 self._queue = self._new_queue()
@@ -181,7 +189,8 @@ class Token2Wav:
         """A snapshot of the counters."""
         cached = self.cached.counters() if self.cached is not None else {}
         held = self.lm_yield.counters() if self.lm_yield is not None else {}
-        return replace(self._stats, queue_depth=len(self._queue), **cached, **held, **COMPILER.counters())
+        queue = {"queue_depth": len(self._queue), **self._queue.counters()}
+        return replace(self._stats, **queue, **cached, **held, **COMPILER.counters())
 
     def open_stream(
         self, prompt: PromptInputs, speed: float = 1.0, streaming: bool = True, seed: int | None = None
@@ -251,7 +260,7 @@ class Token2Wav:
                         job.stream.attach(self.model.device, dtype)
                 # A hold this thread never hands on (it failed) ends at its own end time (gate.py).
                 hold = self.lm_yield.hold(live) if self.lm_yield is not None else None
-                self._flow([job for job in live if job.stream.live])
+                self.flow.run([job for job in live if job.stream.live])
                 if self.overlap_hift:
                     self._handoff.put((live, hold))  # waits while HANDOFF_STEPS steps are ahead of HiFT
                     if hold is not None:  # the first chunks' audio before the next flow call (yielding.py)
@@ -276,124 +285,10 @@ class Token2Wav:
     def _own_cuda_stream(self, role: str, first: bool = False):
         """On a GPU, the calling thread's work on a CUDA stream of its own: the flow and HiFT threads'
         kernels then overlap. A mel crosses between them only after its flow call has synchronised
-        (``_timed``, ``_flow_batch``), and HiFT's inputs are freed after its copy to the CPU waited
+        (flow_steps.py), and HiFT's inputs are freed after its copy to the CPU waited
         for them, so no tensor is read or reused while the other stream still works on it."""
         dev = self.model.device
         if dev.type != "cuda":
             return contextlib.nullcontext()
         # ``first``: one priority higher (a lower number; torch clamps it to the device's range).
         return torch.cuda.stream(role_stream(role, dev, self.stream_priority - first))
-
-    def _cost(self, job: Job) -> tuple[tuple, int]:
-        """The flow call a job joins and the frames it pads that call to: its new frames in the
-        incremental flow, prompt + every token when recomputed (scheduler.py)."""
-        stream = job.stream
-        incremental = self.cached is not None and self.cached.serves(job)
-        if incremental:
-            return ("incremental", job.finalize), TOKEN_MEL_RATIO * (len(job.tokens) - job.offset)
-        return ("recompute", job.streaming, job.finalize), TOKEN_MEL_RATIO * (
-            len(stream.prompt.speech_tokens) + len(job.tokens)
-        )
-
-    def _flow(self, jobs: list[Job]) -> None:
-        """Set job.mel for every job: the incremental flow for streams holding pages, then one padded
-        recompute call per (streaming, finalize) mode for the rest. With flow_overlap the incremental
-        calls run on a CUDA stream of their own, unwaited, while this thread launches the recompute
-        calls (a step at 128-256 streams holds both, each too small to fill the GPU alone), and the
-        step ends once both are done: their mels are complete before HiFT reads them."""
-        if self.cached is None:
-            self._recompute(jobs)
-            return
-        if not self.flow_overlap:
-            self._recompute(self._incremental(jobs))
-            return
-        beside = self._beside()
-        with torch.cuda.stream(beside) if beside is not None else contextlib.nullcontext():
-            rest = self._incremental(jobs, sync=False)
-        self._recompute(rest)
-        taken = [job for job in jobs if job not in rest]
-        if taken:
-            self._stats.overlapped_steps += bool(rest)
-            started = time.monotonic()
-            if beside is not None:
-                with failing(taken, "flow"):  # an error of the unwaited calls surfaces here
-                    beside.synchronize()
-            self._stats.flow_seconds += stamp(taken, "flow_end") - started
-
-    def _beside(self) -> "torch.cuda.Stream | None":
-        """The incremental calls' CUDA stream (flow_overlap), after this thread's work so far; None
-        off CUDA."""
-        dev = self.model.device
-        if dev.type != "cuda":
-            return None
-        beside = role_stream("flow-beside", dev, self.stream_priority)
-        beside.wait_stream(torch.cuda.current_stream(dev))
-        return beside
-
-    def _recompute(self, jobs: list[Job]) -> None:
-        """One padded recompute call per (streaming, finalize) mode, each waited for (``_timed``)."""
-        self._stats.recompute_jobs += len(jobs)
-        groups: dict[tuple[bool, bool], list[Job]] = {}
-        for job in jobs:
-            groups.setdefault((job.streaming, job.finalize), []).append(job)
-        for (streaming, finalize), group in groups.items():
-            flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
-            retry_in_halves(group, flow, lambda batch: batch, "flow")
-
-    def _incremental(self, jobs: list[Job], sync: bool = True) -> list[Job]:
-        """Run the jobs the incremental flow takes, a round of at most one job per stream at a time
-        (a stream's next chunk starts from this one's pages); returns the jobs left to recompute.
-        sync False: launched, not waited for (flow_overlap; the rounds follow each other on the
-        stream)."""
-        cached = self.cached
-        assert cached is not None
-        cached.sweep()
-        dev = self.model.device
-        with torch.autocast(dev.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            taken = []
-            for job in jobs:
-                with failing([job], "flow cache"):
-                    if cached.takes(job):
-                        taken.append(job)
-            rest = [job for job in jobs if job not in taken and job.stream.live]
-
-            def run(batch: list[Job]) -> None:
-                refused = self._timed(cached.run, batch, sync)
-                self._stats.incremental_jobs += len(batch) - len(refused)
-                rest.extend(refused)
-
-            for jobs_round in rounds(taken):
-                for final in (False, True):
-                    group = [j for j in jobs_round if j.finalize == final and j.stream.live]
-                    # A stream the pool could not serve at an earlier round recomputes from then on.
-                    rest.extend(j for j in group if j.stream.flow_cache is None)
-                    group = [j for j in group if j.stream.flow_cache is not None]
-                    if group:
-                        retry_in_halves(group, run, lambda b: b, "flow")
-        for job in rest:
-            if job.finalize:
-                cached.release(job.stream)  # its last chunk is a full recompute: no pages needed
-        return rest
-
-    def _timed(self, run, jobs: list[Job], sync: bool = True):
-        """``run(jobs)``, one flow call, counted in the stats and stamped on its jobs (sync False:
-        its launch only; ``_flow`` waits for it and stamps its end)."""
-        started = stamp(jobs, "flow_start")
-        result = run(jobs)
-        if sync and self.model.device.type == "cuda":
-            # This thread's CUDA stream only (count its device time, not just the launches); a
-            # device-wide synchronise would also wait for the HiFT thread's work.
-            torch.cuda.current_stream(self.model.device).synchronize()
-        self._stats.flow_calls += 1
-        self._stats.flow_seconds += stamp(jobs, "flow_end") - started
-        self._stats.last_flow_batch = len(jobs)
-        self._stats.max_flow_batch = max(self._stats.max_flow_batch, len(jobs))
-        return result
-
-    def _flow_batch(self, jobs: list[Job], streaming: bool, finalize: bool) -> None:
-        """One flow call for ``jobs`` (all of one mode), setting each job's mel; raises what it raised."""
-        mode = {"streaming": streaming, "finalize": finalize, "stats": self._stats}
-        call = functools.partial(recompute, self.model, self.autocast_dtype, **mode)
-        mels = self._timed(call, jobs)
-        for job, mel in zip(jobs, mels, strict=True):
-            job.mel = mel
