@@ -40,11 +40,11 @@ def _job(loop, stream: Stream, tokens: int = 128, finalize: bool = False) -> Job
     return Job(stream, torch.zeros(tokens, dtype=torch.long), 78, finalize, loop.create_future())
 
 
-def _queue(*jobs: Job, max_batch: int = 3, fill_s: float = FILL_S) -> JobQueue:
+def _queue(*jobs: Job, max_batch: int = 3, fill_s: float = FILL_S, step_frames: int = 10**6) -> JobQueue:
     def cost(job: Job) -> tuple[tuple, int]:
         return ("recompute", job.streaming, job.finalize), 2 * (PROMPT_TOKENS + len(job.tokens))
 
-    queue = JobQueue(max_batch, 10**6, cost, fill_s=fill_s)
+    queue = JobQueue(max_batch, step_frames, cost, fill_s=fill_s)
     for job in jobs:
         queue.put(job)
     return queue
@@ -119,3 +119,10 @@ def test_without_fill_a_step_goes_at_once_and_closing_ends_a_fill(loop):
     batch, took = _timed_take(queue)
     closer.join()
     assert batch is None and took < 5.0
+
+
+def test_a_step_its_padded_bound_fills_goes_at_once(loop):
+    spare = [_job(loop, _stream(dry_in=5.0)) for _ in range(3)]
+    one_job = 2 * (PROMPT_TOKENS + 128)
+    batch, took = _timed_take(_queue(*spare, max_batch=8, step_frames=2 * one_job))
+    assert batch == spare[:2] and took < FILL_S / 3  # two fit, the third waits for the next step

@@ -36,8 +36,8 @@ come). A stream that submits its job, or ends, is expected no more.
 
 The flow shares the GPU with the LM, whose decode steps make the jobs. A step of few jobs costs
 nearly what a full one does (its kernels are small, its buckets padded), and while it runs the LM
-gets a slice of the GPU only: at 256 streams on an H100 the flow ran 89 % of the time in steps of
-about 21 jobs, just what the slowed LM had made meanwhile (docs/benchmarks/README.md). With
+gets a slice of the GPU only: at 256 streams on an H100 the flow ran 89 % of the time in calls of
+about 21 jobs, just what the slowed LM had made meanwhile (docs/model.md §8.6). With
 ``fill_s`` a step that holds no urgent job waits for more, up to ``fill_s`` or until ``max_batch``
 have come. A job is urgent while its listener waits on it or soon will: a first chunk, a whole
 clip, or the next job of a stream that runs dry within ``FILL_MARGIN_S`` and has not run dry yet. A
@@ -205,8 +205,8 @@ class JobQueue:
                 return
 
     def _fill(self) -> None:
-        """Wait (lock held, released while waiting) while the step would hold fewer than
-        ``max_batch`` jobs and none urgent, up to ``fill_s`` (module docstring)."""
+        """Wait (lock held, released while waiting) while the step would take every job queued, fewer
+        than ``max_batch``, none urgent, up to ``fill_s`` (module docstring)."""
         if self.fill_s <= 0:
             return
         start = time.monotonic()
@@ -214,6 +214,8 @@ class JobQueue:
             now = time.monotonic()
             left = self.fill_s - (now - start)
             if left <= 0 or any(urgent(job, now) for job in self._jobs):
+                break
+            if len(self._select()) < len(self._jobs):  # its padded bound is reached: the step is full
                 break
             self._changed.wait(left)  # a put wakes it to look again
         waited = time.monotonic() - start
