@@ -16,6 +16,8 @@ incremental final chunk is from upstream's full-attention one.
 scripts/flow_compile_speed.py measures the flow compiled against eager on the same schedule.
 
 FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
+FLOW_CACHE_ROW_BUCKETS=1,2,4,8,16,24,32,48,64: the graphed calls' row buckets instead of the engine's
+(flow_cache.BATCH_BUCKETS), to weigh the padding of a call to its bucket.
 """
 
 import copy
@@ -27,6 +29,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from cosyapp.engine.token2wav import flow_cache
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
 from cosyapp.engine.token2wav.pages import FlowCache, KVPool, voice_frames
@@ -41,6 +44,8 @@ INPUTS = os.environ.get("FLOW_CACHE_INPUTS") == "1"
 BATCHES = (1, 2) if SMOKE else (1, 4, 16, 32, 64)
 if os.environ.get("FLOW_CACHE_BATCHES"):
     BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))
+if os.environ.get("FLOW_CACHE_ROW_BUCKETS"):
+    flow_cache.BATCH_BUCKETS = tuple(int(b) for b in os.environ["FLOW_CACHE_ROW_BUCKETS"].split(","))
 
 
 def autocast():
