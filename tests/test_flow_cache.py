@@ -5,7 +5,8 @@ import torch
 
 from cosyapp.deploy.sizing import PAGE_BYTES
 from cosyapp.engine.token2wav.chunking import ChunkSchedule
-from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.flow_cache import WIDTH_BUCKETS, FlowItem, IncrementalFlow, raw_estimator
+from cosyapp.engine.token2wav.graphs import bucket
 from cosyapp.engine.token2wav.pages import (
     FlowCache,
     KVPool,
@@ -214,3 +215,23 @@ def test_a_page_of_attention_inputs_holds_a_quarter_of_the_bytes_at_full_size():
     # The deploy sizing keeps these page sizes as constants, as measured: they are the formula's.
     for inputs in (True, False):
         assert PAGE_BYTES[inputs] == KVPool.page_bytes(est, 10, torch.float16, inputs=inputs)
+
+
+def test_a_call_of_17_to_24_streams_runs_on_the_bucket_of_24_rows(tiny_model):
+    """The incremental graphs' row buckets include 24 and 48 (flow_cache.BATCH_BUCKETS): a call of 17
+    streams pads to 24 rows, not 32, and every stream still gets the recompute path's frames."""
+    flow = tiny_model.flow
+    steps, cpu = flow.decoder.n_timesteps, torch.device("cpu")
+    pool = KVPool(raw_estimator(flow), pages=96, steps=steps, device=cpu, dtype=torch.float32, inputs=True)
+    p = prompt(75, 7)
+    tokens = torch.randint(0, 6561, (28,), generator=torch.Generator().manual_seed(8))
+    caches = [FlowCache() for _ in range(17)]
+    runner = IncrementalFlow(flow, pool, graphs=True)
+    results = runner([FlowItem(c, *p, tokens, False) for c in caches])
+    width = max(mel.shape[1] for mel, _ in results)
+    assert runner.run_frames == 24 * bucket(width, WIDTH_BUCKETS)
+    whole = recompute(flow, p, tokens, False)
+    for mel, start in (results[0], results[16]):
+        assert_after_prompt(mel, start, whole, 150)
+    for c in caches:
+        pool.release(c.pages)

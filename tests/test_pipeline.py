@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cosyapp.engine.lm.torch_engine import TorchSpeechLM
-from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest
+from cosyapp.engine.pipeline import BusyError, Pipeline, SynthesisRequest, warm_up_batches
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.text import TextError, TextFrontend
 from cosyapp.frontend.voice import VoiceFrontend
@@ -236,6 +236,12 @@ def test_metrics_show_the_flow_cache_and_its_chunk_jobs(served, loop):
     assert 0 < snap["flow_cache_free_pages"] < snap["flow_cache_pages"]  # the voice's pages stay held
     assert snap["flow_incremental_jobs"] >= 1 and snap["flow_recompute_jobs"] == 1  # the last chunk
     assert snap["flow_cache_fallbacks"] == 0
+
+
+def test_the_warm_up_streams_at_every_row_bucket_and_makes_whole_clips_at_powers_of_two():
+    powers = [(1, True), (2, True), (4, True), (8, True), (16, True)]
+    assert warm_up_batches(64) == powers + [(24, False), (32, True), (48, False), (64, True)]
+    assert warm_up_batches(20) == powers
 
 
 def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):

@@ -43,6 +43,7 @@ from cosyapp.engine.request import MAX_SPEED as MAX_SPEED  # the limits, for cal
 from cosyapp.engine.request import MIN_SPEED as MIN_SPEED
 from cosyapp.engine.text_workers import TextWorkers
 from cosyapp.engine.token2wav.compiling import COMPILER
+from cosyapp.engine.token2wav.flow_cache import BATCH_BUCKETS
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.frontend.modes import INSTRUCT, VOICE_CONVERSION, instruction_prompt, lm_prompt
 from cosyapp.frontend.text import Sentence, TextFrontend
@@ -184,7 +185,8 @@ class Pipeline(ServingFront):
                         await self.warm_up_token2wav()
 
     async def warm_up_token2wav(self) -> None:
-        """Streaming and whole-clip token2wav for 1, 2, 4, ... up to max_batch streams at once (in
+        """Streaming token2wav for as many streams at once as each row bucket of the incremental flow
+        (flow_cache.BATCH_BUCKETS) up to max_batch, and whole clips for 1, 2, 4, ... up to max_batch (in
         steps as large as the worker's step_frames allows).
 
         A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
@@ -206,14 +208,13 @@ class Pipeline(ServingFront):
             async for _ in self.token2wav.open_stream(prompt, streaming=True, seed=0).run(feed()):
                 pass
 
-        batch = 1
-        while batch <= self.token2wav.max_batch:
+        for batch, whole in warm_up_batches(self.token2wav.max_batch):
             # Each group's first jobs reach the worker together, so every batch size is really run.
             await self.token2wav.together([streamed() for _ in range(batch)], batch)
-            await self.token2wav.together(
-                [self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)], batch
-            )
-            batch *= 2
+            if whole:
+                await self.token2wav.together(
+                    [self.token2wav.whole_clip(prompt, tokens, seed=0) for _ in range(batch)], batch
+                )
         await self.token2wav.graphs_settled()
 
     async def shutdown(self) -> None:
@@ -385,3 +386,9 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         phases[name] = time.perf_counter() - started
+
+
+def warm_up_batches(max_batch: int) -> list[tuple[int, bool]]:
+    """(streams at once, whole clips too) for the warm-up: each row bucket of the incremental flow up to
+    max_batch; whole clips at the powers of two only, which meet every bucket of their graphs."""
+    return [(b, b & (b - 1) == 0) for b in BATCH_BUCKETS if b <= max_batch]

@@ -41,7 +41,10 @@ from cosyapp.models.flow import CausalMaskedDiffWithXvec, join_prompt, prompt_co
 from cosyapp.models.flow_encoder import length_mask
 from cosyapp.models.flow_estimator import CausalConditionalDecoder, CausalResnetBlock1D
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Rows of the incremental calls' graphs. 24 and 48 between the powers of two: on an H100 the three
+# chunk calls of a 260-token sentence took 502 ms for 24 streams on their own bucket against 599 ms
+# padded to 32, and 827 against 1061 ms for 48 against 64 (docs/benchmarks/README.md, "Row buckets").
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 WIDTH_BUCKETS = (100, 200, 250)  # new frames: a first chunk after voice pages, 100-token hops, finals
 PAST_BUCKETS = (0, 1, 2, 4, 8, 16, 32)  # committed pages: a 3 s prompt and up to 29 s of speech
 
