@@ -17,7 +17,8 @@ scripts/flow_compile_speed.py measures the flow compiled against eager on the sa
 
 FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
 FLOW_CACHE_ROW_BUCKETS=1,2,4,8,16,24,32,48,64: the graphed calls' row buckets instead of the engine's
-(flow_cache.BATCH_BUCKETS), to weigh the padding of a call to its bucket.
+(flow_cache.BATCH_BUCKETS), to weigh the padding of a call to its bucket; FLOW_CACHE_PAST_BUCKETS the
+same for the past pages (flow_cache.PAST_BUCKETS).
 """
 
 import copy
@@ -46,6 +47,8 @@ if os.environ.get("FLOW_CACHE_BATCHES"):
     BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))
 if os.environ.get("FLOW_CACHE_ROW_BUCKETS"):
     flow_cache.BATCH_BUCKETS = tuple(int(b) for b in os.environ["FLOW_CACHE_ROW_BUCKETS"].split(","))
+if os.environ.get("FLOW_CACHE_PAST_BUCKETS"):
+    flow_cache.PAST_BUCKETS = tuple(int(b) for b in os.environ["FLOW_CACHE_PAST_BUCKETS"].split(","))
 
 
 def autocast():
