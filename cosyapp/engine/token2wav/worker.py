@@ -89,7 +89,7 @@ class Token2Wav:
         expect_ms: float = DEFAULTS.expect_ms,
         step_frames: int | None = None,
         whole_step_frames: int | None = None,
-        fill_ms: float = 0.0,
+        fill_ms: float = DEFAULTS.fill_ms,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
         hift_first: bool = False,
