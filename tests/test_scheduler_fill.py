@@ -69,8 +69,8 @@ def test_a_step_of_streams_with_audio_to_spare_waits_to_fill_then_goes_when_full
     for thread in late:
         thread.join()
     assert batch == spare  # all three in one step ...
-    assert 0.15 <= took < FILL_S  # ... which went once max_batch (3) had come
-    assert queue.counters()["fills"] == 1 and 0.15 <= queue.counters()["fill_seconds"] < FILL_S
+    assert 0.1 <= took < FILL_S  # ... which went once max_batch (3) had come (the last came at 0.15 s)
+    assert queue.counters()["fills"] == 1 and 0.1 <= queue.counters()["fill_seconds"] < FILL_S
 
 
 def test_a_step_that_does_not_fill_goes_after_fill_s_with_what_it_has(loop):
@@ -106,7 +106,7 @@ def test_an_urgent_job_that_comes_during_the_fill_ends_it(loop):
     thread = _put_later(queue, first, 0.1)
     batch, took = _timed_take(queue)
     thread.join()
-    assert batch == [spare, first] and 0.1 <= took < FILL_S / 2
+    assert batch == [spare, first] and 0.05 <= took < FILL_S / 2
 
 
 def test_without_fill_a_step_goes_at_once_and_closing_ends_a_fill(loop):
