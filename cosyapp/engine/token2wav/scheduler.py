@@ -34,10 +34,11 @@ the queue when its next chunk is as few tokens away as its next arrival of token
 first look, up to ``expect_s`` (the quiet gap ends an idle worker's gathering only once they have
 come). A stream that submits its job, or ends, is expected no more.
 
-The flow shares the GPU with the LM, whose decode steps make the jobs. A step of few jobs costs
-nearly what a full one does (its kernels are small, its buckets padded), and while it runs the LM
-gets a slice of the GPU only: at 256 streams on an H100 the flow ran 89 % of the time in calls of
-about 21 jobs, just what the slowed LM had made meanwhile (docs/model.md §8.6). With
+The flow shares the GPU with the LM, whose decode steps make the jobs. A small step costs more per
+job than a full one (on an H100 a sentence's chunk calls took 24.5 ms a stream at 16 streams, 16.6
+at 64: docs/benchmarks/README.md, "Row buckets"), and while it runs the LM gets a slice of the GPU
+only: at 256 streams on an H100 the flow ran 89 % of the time in calls of about 21 jobs, about what
+the slowed LM had made meanwhile (docs/model.md §8.6). With
 ``fill_s`` a step that holds no urgent job waits for more, up to ``fill_s`` or until ``max_batch``
 have come. A job is urgent while its listener waits on it or soon will: a first chunk, a whole
 clip, or the next job of a stream that runs dry within ``FILL_MARGIN_S`` and has not run dry yet. A
