@@ -1,3 +1,4 @@
+import asyncio
 import json
 import os
 import tempfile
@@ -29,6 +30,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: vLLM's AsyncLLM stays bound to the loop that first used it, and
+    the engines' asyncio parts (queues, futures) to the loop that made them."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 _COMPILE_THREADS: list[str] = []

@@ -45,14 +45,6 @@ def vllm_caches(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module: an AsyncLLM stays bound to the loop that first used it."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 IN_PROCESS = [False, True]
 IN_PROCESS_IDS = ["own-process", "in-process"]
 

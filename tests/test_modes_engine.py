@@ -5,8 +5,6 @@ The endless model never stops early, so a sentence decodes exactly 20 tokens per
 samples each) whatever its mode; voice conversion makes 960 samples per source token.
 """
 
-import asyncio
-
 import numpy as np
 import pytest
 from test_pipeline import make_lm
@@ -37,13 +35,6 @@ def parts(tmp_path_factory):
     # Real speech to convert: a built-in voice's recording through the speech tokenizer.
     source = source_tokens(frontend, ASSETS_VOICES / "en-espeak-us.wav")
     return model, text, voices.get("zh-aishell-w0122"), source
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module", params=["torch", "vllm"])

@@ -31,14 +31,6 @@ def parts(tmp_path_factory):
     return model, text, voices.get("zh-aishell-w0122")
 
 
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module: vLLM's AsyncLLM stays bound to the loop that started it."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 def make_lm(name, model, tmp_path_factory):
     if name == "torch":
         return TorchSpeechLM(model.lm)

@@ -6,7 +6,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from cosyapp.engine.token2wav.scheduler import WHOLE_SLACK_S, JobQueue
@@ -15,13 +14,6 @@ from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.models.cosyvoice2 import PromptInputs
 
 PROMPT_TOKENS = 20
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def _stream(streaming: bool = True) -> Stream:

@@ -1,6 +1,5 @@
 """A step with no urgent job waits for a fuller batch (fill_s), and no longer than an urgent job allows."""
 
-import asyncio
 import threading
 import time
 
@@ -13,13 +12,6 @@ from cosyapp.models.cosyvoice2 import PromptInputs
 
 PROMPT_TOKENS = 20
 FILL_S = 2.0
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def _stream(streaming: bool = True, dry_in: float | None = None) -> Stream:
