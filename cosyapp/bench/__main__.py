@@ -213,6 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(VARIANT_FIELDS)}) and measure the pipeline driver's levels again on the same LM "
         "engine; repeatable, e.g. --variant serial-hift:overlap_hift=false --variant hop15:first_hop=15",
     )
+    add(
+        "--timeline",
+        default="",
+        metavar="CLIENTS",
+        help="comma-separated concurrency levels whose GPU work is traced for a window (torch.profiler, "
+        "this process's kernels by CUDA stream and launching thread: cosyapp/bench/timeline.py), "
+        "variants' levels too (default: none)",
+    )
+    add(
+        "--timeline-window",
+        default="3,3",
+        metavar="START,SECONDS",
+        help="when the traced window starts in its level and how long it lasts (default: %(default)s)",
+    )
     add("--workdir", default=None, help="where the random model and caches go (default: a new temp folder)")
     add("--out", type=Path, default=Path("bench.json"), help="result JSON; plots go beside it")
     return parser
@@ -229,6 +243,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.clients = [int(c) for c in args.clients.split(",")]
     except ValueError:
         parser.error(f"--clients takes whole numbers separated by commas, got {args.clients!r}")
+    try:
+        args.timeline = [int(c) for c in args.timeline.split(",") if c]
+        args.timeline_window = tuple(float(x) for x in args.timeline_window.split(","))
+    except ValueError:
+        parser.error("--timeline takes whole numbers and --timeline-window two numbers, comma-separated")
+    if len(args.timeline_window) != 2 or min(args.timeline_window) < 0:
+        parser.error(f"--timeline-window takes START,SECONDS, got {args.timeline_window}")
     args.modes = [_choice(parser, "--modes", m, MODES) for m in args.modes.split(",")]
     args.texts = [_choice(parser, "--texts", t, TEXT_SETS) for t in args.texts.split(",")]
     args.drivers = [_choice(parser, "--drivers", d, DRIVERS) for d in args.drivers.split(",")]

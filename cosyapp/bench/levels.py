@@ -5,6 +5,8 @@ The client side (latency, throughput, underruns) comes from the driver's results
 requests is in this process.
 """
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -20,6 +22,7 @@ from cosyapp.bench.stats import (
     stage_times,
     summarize,
 )
+from cosyapp.bench.timeline import Timeline
 from cosyapp.engine.pipeline import Pipeline
 
 FIRST_SEED = 1000  # request i of every level uses seed FIRST_SEED + i
@@ -63,11 +66,13 @@ async def measure(
     clients: int,
     pipeline: Pipeline | None,
     on_done: Callable[[], None] = lambda: None,
+    timeline: Timeline | None = None,
 ) -> dict:
     """Send ``clients`` requests of ``text`` at once; returns the level's summary.
 
     ``pipeline``: the Pipeline that serves the requests, when it runs in this process (its batch-size
-    histograms, stage times and GPU memory are added); None for an external server.
+    histograms, stage times and GPU memory are added); None for an external server. ``timeline``: a
+    window of the level's GPU trace to record, summed up as its ``timeline`` (timeline.py).
     """
     await driver.prepare(clients)
     seeds = [FIRST_SEED + i for i in range(clients)]
@@ -82,6 +87,7 @@ async def measure(
     reset_gpu_peak()
     sampler.start()
     resources.start()
+    recording = asyncio.ensure_future(timeline.record()) if timeline is not None else None
     start = time.perf_counter()
     try:
         results = await driver.send(text.text, streaming, seeds, on_done)
@@ -89,9 +95,14 @@ async def measure(
         wall = time.perf_counter() - start
         used = resources.stop()
         await sampler.stop()
+        if recording is not None:
+            recording.cancel()  # a window the level outlasted has ended already; a longer one ends here
+            with contextlib.suppress(asyncio.CancelledError):
+                await recording
     stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
     engine = sampler.report() | stages | gpu_memory() | _worker(pipeline) | used
-    return level | summarize(results, wall) | engine
+    traced = {"timeline": timeline.summary()} if timeline is not None else {}
+    return level | summarize(results, wall) | engine | traced
 
 
 def _worker(pipeline: Pipeline) -> dict:

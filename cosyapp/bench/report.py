@@ -68,6 +68,20 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def timeline_line(traced: dict) -> str:
+    """A level's GPU timeline (timeline.py) in one line: the busy and overlapping shares of its
+    window, each stream's share with its main launching thread."""
+    if traced.get("error") or not traced.get("kernels"):
+        return f"GPU timeline: {traced.get('error') or 'no kernels in the window'}"
+    streams = ", ".join(
+        f"{next(iter(s['threads']), '?')} {100 * s['busy_share']:.0f} %" for s in traced["streams"].values()
+    )
+    return (
+        f"GPU timeline {traced['window_s']:.1f} s: this process busy {100 * traced['busy_share']:.0f} %, "
+        f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}"
+    )
+
+
 def row(level: dict) -> str:
     """One printed line of a level: latency, throughput, underruns, engine batches and stage times."""
     mode = "stream" if level["streaming"] else "whole"
@@ -135,6 +149,9 @@ def row(level: dict) -> str:
             f"GPU reserved peak {allocator['peak_reserved_gb']:.1f} GB, allocation retries "
             f"{allocator['num_alloc_retries']}, cache flushes {allocator['num_sync_all_streams']}"
         )
+    traced = level.get("timeline")
+    if traced:
+        parts.append(timeline_line(traced))
     if "click_to_sound_p50" in level:
         parts.append(
             f"click to sound p50/p99 {_ms(level['click_to_sound_p50'])}/{_ms(level['click_to_sound_p99'])}"

@@ -29,6 +29,7 @@ from cosyapp.bench.load import (
 )
 from cosyapp.bench.report import hardware, now, row, versions
 from cosyapp.bench.serving import check_external, own_server
+from cosyapp.bench.timeline import Timeline
 from cosyapp.engine.build import (
     build_pipeline,
     build_token2wav,
@@ -145,7 +146,10 @@ async def _measure_all(
             progress.set_description(f"{driver.name} {text.name} {mode} x{clients}")
             served_here = pipeline if driver.name == "pipeline" or not args.url else None
             with decoding_ratio(pipeline.model, text.ratio):
-                level = await measure(driver, text, mode == "stream", clients, served_here, progress.update)
+                traced = _timeline(args, clients) if served_here is not None else None
+                level = await measure(
+                    driver, text, mode == "stream", clients, served_here, progress.update, traced
+                )
             levels.append(level)
             _keep(args, level)
             progress.write(row(level))
@@ -198,12 +202,20 @@ async def _measure_variant(
                 waited = {"compile_wait_s": time.perf_counter() - started, "compiled_before": compiled}
         for text, mode, clients in itertools.product(texts, args.modes, args.clients):
             with decoding_ratio(pipeline.model, text.ratio):
-                level = await measure(driver, text, mode == "stream", clients, pipeline, progress.update)
+                traced = _timeline(args, clients)
+                level = await measure(
+                    driver, text, mode == "stream", clients, pipeline, progress.update, traced
+                )
             levels.append(level | {"variant": name} | waited)
             _keep(args, levels[-1])
             progress.write(row(levels[-1]))
     await driver.close()
     return levels
+
+
+def _timeline(args: argparse.Namespace, clients: int) -> Timeline | None:
+    """A window of GPU trace for a level of ``clients`` listed in --timeline."""
+    return Timeline(*args.timeline_window) if clients in args.timeline else None
 
 
 def levels_file(out: Path) -> Path:

@@ -1,0 +1,202 @@
+"""What the GPU ran during part of a level, kernel by kernel: a window of torch.profiler's CUDA trace
+of this process, summed up per CUDA stream and per launching thread.
+
+A level's stage times say how long each stage took, and the resource sampler how busy the GPU was
+(resources.py); neither says which work ran when. Under load the flow thread, the HiFT thread and the
+LM's decode steps (vLLM's engine core: another process unless ``lm_in_process``, and then its kernels
+are not in this trace) share one GPU. The window tells:
+
+- how much of it the GPU ran this process's kernels (``busy_share``: the union of every kernel's and
+  copy's interval) and how much of it two streams ran at once (``overlap_share``);
+- per CUDA stream: its kernels' seconds, their categories, and which threads launched them (the
+  ``token2wav`` flow thread, ``token2wav-hift``, a vLLM thread...), found through each kernel's
+  correlation with the runtime call that launched it (a replayed CUDA graph's kernels carry its
+  launch's);
+- the gaps in which this process ran nothing (the LM's share, or idle), by length.
+
+Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is summed up after the
+level, so only the recording's own cost (CUPTI's activity buffers) falls into it.
+"""
+
+import asyncio
+import json
+import logging
+import re
+import tempfile
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Kernel categories by name, first match wins: attention before convolutions (cuDNN's SDPA kernels
+# are named "..._fprop_..."), convolutions before GEMMs (implicit-GEMM convolutions name both).
+CATEGORIES = (
+    ("attention", r"fmha|flash|attention|sdpa"),
+    ("convolution", r"conv|fprop|dgrad|wgrad|im2col"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_"),
+    ("layer_norm", r"layer_norm|LayerNorm"),
+    ("copy_index", r"copy|Cat|cat_|index|gather|scatter|pad|fill|arange"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|softmax|triton"),
+)
+# Trace categories of device work: kernels and the copies and fills between or on devices.
+DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+# Gaps in the device's work (this process's), bucketed by length in milliseconds.
+GAP_EDGES_MS = (1, 5, 20, 100)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+class Timeline:
+    """Records one window of a level (``record`` as a task beside the level's requests) and sums it
+    up (``summary``). On a machine without CUDA it records nothing and says so."""
+
+    def __init__(self, start_s: float = 3.0, window_s: float = 3.0):
+        self.start_s, self.window_s = start_s, window_s
+        self._trace: Path | None = None
+        self._error: str | None = None
+        self._names: dict[int, str] = {}
+
+    async def record(self) -> None:
+        """Wait ``start_s``, then trace ``window_s`` (cancelled with the level if it ends first: what was
+        traced is kept)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        await asyncio.sleep(self.start_s)
+        if not torch.cuda.is_available():
+            self._error = "no CUDA device: nothing to trace"
+            return
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.start()
+        try:
+            await asyncio.sleep(self.window_s)
+        finally:
+            torch.cuda.synchronize()  # the window's kernels have ended before the trace is read
+            prof.stop()
+            self._names = thread_names()
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
+                self._trace = Path(file.name)
+            prof.export_chrome_trace(str(self._trace))
+
+    def summary(self) -> dict:
+        """The window summed up (``summarise``), or why there is none."""
+        if self._trace is None:
+            return {"error": self._error or "the level ended before its window began"}
+        try:
+            events = json.loads(self._trace.read_text()).get("traceEvents", [])
+            return summarise(events, self._names)
+        except Exception as error:  # a trace this code does not read: the level keeps its other numbers
+            log.exception("the level's GPU timeline could not be read")
+            return {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            self._trace.unlink(missing_ok=True)
+
+
+def thread_names() -> dict[int, str]:
+    """This process's Python threads by both ids a trace may give a launching thread: the OS thread id
+    and the pthread handle."""
+    names = {}
+    for thread in threading.enumerate():
+        if thread.native_id is not None:
+            names[thread.native_id] = thread.name
+        if thread.ident is not None:
+            names[thread.ident] = thread.name
+    return names
+
+
+def summarise(events: list[dict], names: dict[int, str]) -> dict:
+    """A chrome trace's device work (module docstring). ``names``: thread ids to names (thread_names);
+    a launching thread not among them is named by its id. Times in the trace are microseconds."""
+    launcher = {}  # correlation id -> the launching thread's name
+    for event in events:
+        if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {}):
+            tid = event.get("tid")
+            launcher[event["args"]["correlation"]] = (
+                names.get(tid, f"thread {tid}") if tid is not None else "?"
+            )
+    work = [
+        e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X" and e.get("dur") is not None
+    ]
+    if not work:
+        return {"kernels": 0, "window_s": None}
+    begin = min(e["ts"] for e in work)
+    end = max(e["ts"] + e["dur"] for e in work)
+    window = max(end - begin, 1e-9)
+    streams: dict[str, dict] = defaultdict(
+        lambda: {"busy_s": 0.0, "kernels": 0, "threads": defaultdict(int), "categories": defaultdict(float)}
+    )
+    categories: dict[str, float] = defaultdict(float)
+    intervals = []
+    for event in work:
+        args = event.get("args", {})
+        stream = streams[str(args.get("stream", event.get("tid")))]
+        seconds = event["dur"] / 1e6
+        kind = DEVICE_CATS[event["cat"]]
+        label = category(event.get("name", "")) if kind == "kernel" else kind
+        stream["busy_s"] += seconds
+        stream["kernels"] += 1
+        stream["threads"][launcher.get(args.get("correlation"), "?")] += 1
+        stream["categories"][label] += seconds
+        categories[label] += seconds
+        intervals.append((event["ts"], event["ts"] + event["dur"]))
+    busy, overlap, gaps = _sweep(intervals)
+    edges = (*GAP_EDGES_MS, None)
+    gap_table = {_gap_label(i): {"count": 0, "s": 0.0} for i in range(len(edges))}
+    for gap in gaps:
+        i = next(i for i, edge in enumerate(edges) if edge is None or gap / 1000 < edge)
+        gap_table[_gap_label(i)]["count"] += 1
+        gap_table[_gap_label(i)]["s"] += gap / 1e6
+    return {
+        "window_s": round(window / 1e6, 3),
+        "kernels": len(work),
+        "busy_share": round(busy / window, 4),
+        "overlap_share": round(overlap / window, 4),
+        "categories_s": _largest_first(categories),
+        "gaps": {k: {"count": v["count"], "s": round(v["s"], 4)} for k, v in gap_table.items()},
+        "streams": {
+            name: {
+                "busy_s": round(s["busy_s"], 4),
+                "busy_share": round(s["busy_s"] * 1e6 / window, 4),
+                "kernels": s["kernels"],
+                "threads": dict(sorted(s["threads"].items(), key=lambda kv: -kv[1])),
+                "categories_s": {
+                    k: round(v, 4) for k, v in sorted(s["categories"].items(), key=lambda kv: -kv[1])
+                },
+            }
+            for name, s in sorted(streams.items(), key=lambda kv: -kv[1]["busy_s"])
+        },
+    }
+
+
+def _largest_first(seconds: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+
+
+def _gap_label(i: int) -> str:
+    low = 0 if i == 0 else GAP_EDGES_MS[i - 1]
+    return f"{low}+ ms" if i == len(GAP_EDGES_MS) else f"{low}-{GAP_EDGES_MS[i]} ms"
+
+
+def _sweep(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """(time covered by any interval, time covered by two or more, the gaps between covered spans)."""
+    points = sorted([(start, 1) for start, _ in intervals] + [(stop, -1) for _, stop in intervals])
+    busy = overlap = 0.0
+    gaps = []
+    depth, last = 0, None
+    for at, step in points:
+        if last is not None:
+            if depth >= 1:
+                busy += at - last
+            if depth >= 2:
+                overlap += at - last
+            if depth == 0 and at > last:
+                gaps.append(at - last)
+        depth += step
+        last = at
+    return busy, overlap, gaps

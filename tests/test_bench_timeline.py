@@ -1,0 +1,95 @@
+"""The benchmark's GPU timeline: a trace's device work summed up per stream and launching thread."""
+
+import asyncio
+import threading
+
+import pytest
+
+from cosyapp.bench.__main__ import parse_args
+from cosyapp.bench.report import timeline_line
+from cosyapp.bench.timeline import Timeline, summarise, thread_names
+
+
+def _runtime(tid: int, correlation: int, ts: float) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "ts": ts, "dur": 5,
+            "args": {"correlation": correlation}}  # fmt: skip
+
+
+def _kernel(name: str, stream: int, correlation: int, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": f"stream {stream}", "ts": ts, "dur": dur,
+            "args": {"stream": stream, "correlation": correlation}}  # fmt: skip
+
+
+def test_streams_threads_overlap_and_gaps():
+    # Microseconds: the flow thread's stream runs 0-4000 and 4500-6000, the HiFT thread's 3000-5000 (a
+    # copy at its end); nothing runs 6000-30000 (a 24 ms gap), then one kernel of an unnamed thread.
+    events = [
+        _runtime(11, 1, 0),
+        _runtime(11, 2, 10),
+        _runtime(22, 3, 20),
+        _runtime(22, 4, 30),
+        _runtime(99, 5, 40),
+        _kernel("ampere_fp16_s16816gemm_fp16_128x128", 7, 1, 0, 4000),
+        _kernel("void at::native::vectorized_elementwise_kernel", 7, 2, 4500, 1500),
+        _kernel("fmha_cutlassF_f16_aligned_64x64", 13, 3, 3000, 1500),
+        _kernel("Memcpy DtoH (Device -> Pinned)", 13, 4, 4500, 500, cat="gpu_memcpy"),
+        _kernel("layer_norm_kernel", 7, 5, 30000, 1000),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 11, "ts": 0, "dur": 50},  # not device work
+    ]
+    got = summarise(events, {11: "token2wav", 22: "token2wav-hift"})
+    assert got["window_s"] == 0.031
+    assert got["kernels"] == 5
+    # Covered: 0-6000 and 30000-31000 = 7 ms of 31; two at once: 3000-4000 and 4500-5000 = 1.5 ms.
+    assert got["busy_share"] == round(7000 / 31000, 4)
+    assert got["overlap_share"] == round(1500 / 31000, 4)
+    flow, hift = got["streams"]["7"], got["streams"]["13"]
+    assert flow["busy_s"] == 0.0065 and flow["kernels"] == 3
+    assert flow["threads"] == {"token2wav": 2, "thread 99": 1}
+    assert flow["categories_s"] == {"gemm": 0.004, "elementwise": 0.0015, "layer_norm": 0.001}
+    assert hift["threads"] == {"token2wav-hift": 2}
+    assert hift["categories_s"] == {"attention": 0.0015, "memcpy": 0.0005}
+    assert list(got["streams"]) == ["7", "13"]  # busiest first
+    assert got["gaps"]["20-100 ms"] == {"count": 1, "s": 0.024}
+    assert sum(g["count"] for g in got["gaps"].values()) == 1  # 4000-4500 is covered by the HiFT stream
+    line = timeline_line(got)
+    assert "busy 23 %" in line and "token2wav 21 %" in line and "token2wav-hift 6 %" in line
+
+
+def test_no_device_work():
+    assert summarise([_runtime(1, 1, 0)], {}) == {"kernels": 0, "window_s": None}
+    assert timeline_line({"kernels": 0, "window_s": None}) == "GPU timeline: no kernels in the window"
+
+
+def test_thread_names_cover_both_ids():
+    names = thread_names()
+    me = threading.current_thread()
+    assert names[me.native_id] == me.name and names[me.ident] == me.name
+
+
+def test_without_cuda_the_window_says_why():
+    timeline = Timeline(start_s=0.0, window_s=0.01)
+    asyncio.run(timeline.record())
+    assert timeline.summary() == {"error": "no CUDA device: nothing to trace"}
+
+
+def test_a_level_that_ends_first():
+    async def main():
+        timeline = Timeline(start_s=5.0, window_s=1.0)
+        task = asyncio.ensure_future(timeline.record())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return timeline.summary()
+
+    assert asyncio.run(main()) == {"error": "the level ended before its window began"}
+
+
+def test_options():
+    args = parse_args(["--clients", "1,64", "--timeline", "64", "--timeline-window", "2,1.5"])
+    assert args.timeline == [64] and args.timeline_window == (2.0, 1.5)
+    assert parse_args([]).timeline == []
+    with pytest.raises(SystemExit):
+        parse_args(["--timeline-window", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--timeline", "x"])
