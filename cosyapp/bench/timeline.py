@@ -77,8 +77,7 @@ class Timeline:
         try:
             await asyncio.sleep(self.window_s)
         finally:
-            torch.cuda.synchronize()  # the window's kernels have ended before the trace is read
-            prof.stop()
+            prof.stop()  # kernels still running are left out: a sync here would stall the level
             self._names = thread_names()
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
                 self._trace = Path(file.name)
