@@ -50,7 +50,15 @@ def test_streams_threads_overlap_and_gaps():
     assert hift["categories_s"] == {"attention": 0.0015, "memcpy": 0.0005}
     assert list(got["streams"]) == ["7", "13"]  # busiest first
     assert got["gaps"]["20-100 ms"] == {"count": 1, "s": 0.024}
-    assert sum(g["count"] for g in got["gaps"].values()) == 1  # 4000-4500 is covered by the HiFT stream
+    assert sum(g["count"] for g in got["gaps"].values()) == 1
+    assert got["host_calls"]["token2wav"] == {
+        "calls": 2, "s": 1e-05, "longest_ms": 0.005, "api_s": {"cudaLaunchKernel": 1e-05}
+    }  # fmt: skip
+    assert set(got["host_calls"]) == {
+        "token2wav",
+        "token2wav-hift",
+        "thread 99",
+    }  # 4000-4500 is covered by the HiFT stream
     line = timeline_line(got)
     assert "busy 23 %" in line and "token2wav 21 %" in line and "token2wav-hift 6 %" in line
 

@@ -76,9 +76,14 @@ def timeline_line(traced: dict) -> str:
     streams = ", ".join(
         f"{next(iter(s['threads']), '?')} {100 * s['busy_share']:.0f} %" for s in traced["streams"].values()
     )
+    host = ", ".join(
+        f"{thread} {c['s']:.2f} s (longest {c['longest_ms']:.1f} ms)"
+        for thread, c in list(traced.get("host_calls", {}).items())[:3]
+    )
     return (
         f"GPU timeline {traced['window_s']:.1f} s: this process busy {100 * traced['busy_share']:.0f} %, "
-        f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}"
+        f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}; "
+        f"CUDA calls by thread: {host}"
     )
 
 

@@ -12,7 +12,10 @@ are not in this trace) share one GPU. The window tells:
   ``token2wav`` flow thread, ``token2wav-hift``, a vLLM thread...), found through each kernel's
   correlation with the runtime call that launched it (a replayed CUDA graph's kernels carry its
   launch's);
-- the gaps in which this process ran nothing (the LM's share, or idle), by length.
+- the gaps in which this process ran nothing (the LM's share, or idle), by length;
+- per launching thread, its CUDA runtime calls (``host_calls``): how long they took in all and at
+  most, by API. A launch waits when the device's launch queue is full, and a synchronising call for
+  the device's work, so a thread whose launches take long was held by the GPU, not by its Python.
 
 Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is summed up after the
 level, so only the recording's own cost (CUPTI's activity buffers) falls into it.
@@ -113,12 +116,21 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
     """A chrome trace's device work (module docstring). ``names``: thread ids to names (thread_names);
     a launching thread not among them is named by its id. Times in the trace are microseconds."""
     launcher = {}  # correlation id -> the launching thread's name
+    host: dict[str, dict] = defaultdict(
+        lambda: {"calls": 0, "s": 0.0, "longest_ms": 0.0, "api_s": defaultdict(float)}
+    )
     for event in events:
-        if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {}):
+        if event.get("cat") == "cuda_runtime":
             tid = event.get("tid")
-            launcher[event["args"]["correlation"]] = (
-                names.get(tid, f"thread {tid}") if tid is not None else "?"
-            )
+            thread = names.get(tid, f"thread {tid}")
+            if "correlation" in event.get("args", {}):
+                launcher[event["args"]["correlation"]] = thread
+            seconds = event.get("dur", 0) / 1e6
+            calls = host[thread]
+            calls["calls"] += 1
+            calls["s"] += seconds
+            calls["longest_ms"] = max(calls["longest_ms"], 1000 * seconds)
+            calls["api_s"][event.get("name", "?")] += seconds
     work = [
         e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X" and e.get("dur") is not None
     ]
@@ -158,6 +170,15 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
         "overlap_share": round(overlap / window, 4),
         "categories_s": _largest_first(categories),
         "gaps": {k: {"count": v["count"], "s": round(v["s"], 4)} for k, v in gap_table.items()},
+        "host_calls": {
+            thread: {
+                "calls": c["calls"],
+                "s": round(c["s"], 6),
+                "longest_ms": round(c["longest_ms"], 3),
+                "api_s": dict(list(_largest_first(c["api_s"], 6).items())[:5]),
+            }
+            for thread, c in sorted(host.items(), key=lambda kv: -kv[1]["s"])
+        },
         "streams": {
             name: {
                 "busy_s": round(s["busy_s"], 4),
@@ -173,8 +194,8 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
     }
 
 
-def _largest_first(seconds: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 4) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+def _largest_first(seconds: dict[str, float], digits: int = 4) -> dict[str, float]:
+    return {k: round(v, digits) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
 
 
 def _gap_label(i: int) -> str:
