@@ -6,7 +6,6 @@ requests is in this process.
 """
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -87,7 +86,8 @@ async def measure(
     reset_gpu_peak()
     sampler.start()
     resources.start()
-    recording = asyncio.ensure_future(timeline.record()) if timeline is not None else None
+    if timeline is not None:
+        timeline.start()
     start = time.perf_counter()
     try:
         results = await driver.send(text.text, streaming, seeds, on_done)
@@ -95,10 +95,8 @@ async def measure(
         wall = time.perf_counter() - start
         used = resources.stop()
         await sampler.stop()
-        if recording is not None:
-            recording.cancel()  # a window the level outlasted has ended already; a longer one ends here
-            with contextlib.suppress(asyncio.CancelledError):
-                await recording
+        if timeline is not None:
+            await asyncio.to_thread(timeline.finish)  # a window longer than the level ends here
     stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
     engine = sampler.report() | stages | gpu_memory() | _worker(pipeline) | used
     traced = {"timeline": timeline.summary()} if timeline is not None else {}

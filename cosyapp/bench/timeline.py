@@ -17,11 +17,11 @@ are not in this trace) share one GPU. The window tells:
   most, by API. A launch waits when the device's launch queue is full, and a synchronising call for
   the device's work, so a thread whose launches take long was held by the GPU, not by its Python.
 
-Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is summed up after the
-level, so only the recording's own cost (CUPTI's activity buffers) falls into it.
+Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is read and summed up
+after the level, so only the recording's own cost (CUPTI's activity records, the device sync at the
+window's end on the profiler's thread) falls into it.
 """
 
-import asyncio
 import json
 import logging
 import re
@@ -56,48 +56,67 @@ def category(name: str) -> str:
 
 
 class Timeline:
-    """Records one window of a level (``record`` as a task beside the level's requests) and sums it
-    up (``summary``). On a machine without CUDA it records nothing and says so."""
+    """One window of a level: ``start`` as the level begins, ``finish`` once it has ended (it ends the
+    window if the level was shorter), then ``summary``. The profiler runs on a thread of its own, so
+    neither its start nor its stop (which waits for the device) holds the event loop; the trace is
+    read only in ``summary``, after the level. On a machine without CUDA it records nothing and says
+    so."""
 
     def __init__(self, start_s: float = 3.0, window_s: float = 3.0):
         self.start_s, self.window_s = start_s, window_s
-        self._trace: Path | None = None
+        self._prof = None
         self._error: str | None = None
         self._names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    async def record(self) -> None:
-        """Wait ``start_s``, then trace ``window_s`` (cancelled with the level if it ends first: what was
-        traced is kept)."""
+    def start(self) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile
 
-        await asyncio.sleep(self.start_s)
         if not torch.cuda.is_available():
             self._error = "no CUDA device: nothing to trace"
             return
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.start()
+        self._thread = threading.Thread(target=self._record, name="bench-timeline", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """End the window now if it has not ended (blocking: call it off the event loop)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _record(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._stop.wait(self.start_s):
+            return  # the level ended first
         try:
-            await asyncio.sleep(self.window_s)
-        finally:
-            prof.stop()  # kernels still running are left out: a sync here would stall the level
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.start()
+            self._stop.wait(self.window_s)
+            prof.stop()  # waits for the device: kernels launched in the window are in the trace
             self._names = thread_names()
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
-                self._trace = Path(file.name)
-            prof.export_chrome_trace(str(self._trace))
+            self._prof = prof
+        except Exception as error:  # the level goes on without its timeline
+            log.exception("the level's GPU trace failed")
+            self._error = f"{type(error).__name__}: {error}"
 
     def summary(self) -> dict:
         """The window summed up (``summarise``), or why there is none."""
-        if self._trace is None:
+        if self._prof is None:
             return {"error": self._error or "the level ended before its window began"}
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
+            trace = Path(file.name)
         try:
-            events = json.loads(self._trace.read_text()).get("traceEvents", [])
+            self._prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text()).get("traceEvents", [])
             return summarise(events, self._names)
         except Exception as error:  # a trace this code does not read: the level keeps its other numbers
             log.exception("the level's GPU timeline could not be read")
             return {"error": f"{type(error).__name__}: {error}"}
         finally:
-            self._trace.unlink(missing_ok=True)
+            trace.unlink(missing_ok=True)
+            self._prof = None
 
 
 def thread_names() -> dict[int, str]:
