@@ -30,6 +30,8 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+from cosyapp.engine.token2wav.turns import TURNS
+
 log = logging.getLogger(__name__)
 
 # Kernel categories by name, first match wins: attention before convolutions (cuDNN's SDPA kernels
@@ -92,9 +94,13 @@ class Timeline:
             return  # the level ended first
         try:
             prof = profile(activities=[ProfilerActivity.CUDA])
-            prof.start()
+            # Both ends in a capture's turn (turns.py): the stop synchronises the device, which a
+            # graph capture in progress on another thread would not survive.
+            with TURNS.capture():
+                prof.start()
             self._stop.wait(self.window_s)
-            prof.stop()  # waits for the device: kernels launched in the window are in the trace
+            with TURNS.capture():
+                prof.stop()  # waits for the device: kernels launched in the window are in the trace
             self._names = thread_names()
             self._prof = prof
         except Exception as error:  # the level goes on without its timeline
