@@ -6,10 +6,9 @@ import itertools
 
 import pytest
 import torch
-from test_lm_vllm import (  # noqa: F401  (loop, stop_controlled_model and vllm_caches are fixtures)
+from test_lm_vllm import (  # noqa: F401  (stop_controlled_model and vllm_caches are fixtures)
     ENGINE,
     MAX_MODEL_LEN,
-    loop,
     prompt,
     requires_vllm,
     stop_controlled_model,
@@ -45,7 +44,7 @@ class TestStreamInterval:
     def test_gathered_outputs_carry_the_same_tokens_on_the_intervals_grid(
         self,
         interval_engines,
-        loop,  # noqa: F811
+        loop,
         stop_controlled_model,  # noqa: F811
     ):
         lm = stop_controlled_model.lm
