@@ -7,7 +7,8 @@ LM's decode steps share one GPU (vLLM's engine core runs in another process unle
 ``lm_in_process``, and another process's kernels are not in this trace). The window tells:
 
 - how much of it the GPU ran this process's kernels (``busy_share``: the union of every kernel's and
-  copy's interval, over ``window_s``, from the first one's start to the last one's end) and how much of it two streams ran at once (``overlap_share``);
+  copy's interval, over ``window_s``, from the first one's start to the last one's end) and how
+  much of it two streams ran at once (``overlap_share``);
 - per CUDA stream: its kernels' seconds, their categories, and which threads launched them (the
   ``token2wav`` flow thread, ``token2wav-hift``, a vLLM thread...), found through each kernel's
   correlation with the runtime call that launched it (a replayed CUDA graph's kernels carry its
