@@ -29,7 +29,6 @@ import functools
 import inspect
 import json
 import os
-import re
 import sys
 import time
 
@@ -53,6 +52,7 @@ from flow_cache_speed import (  # noqa: E402  (the sibling script's schedule and
     whole_clip,
 )
 
+from cosyapp.bench.timeline import category  # noqa: E402  (the kernel categories' one table)
 from cosyapp.engine.token2wav.flow_cache import FlowItem, IncrementalFlow, raw_estimator  # noqa: E402
 from cosyapp.engine.token2wav.fused import PIECES as FUSED_PIECES  # noqa: E402
 from cosyapp.engine.token2wav.fused import fuse_estimator  # noqa: E402
@@ -64,25 +64,6 @@ BATCHES = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_BATCHES", "1,16,64"
 WHOLE = tuple(int(b) for b in os.environ.get("FLOW_PROFILE_WHOLE", "").split(",") if b)
 GRAPHED = os.environ.get("FLOW_PROFILE_GRAPHED") != "0"
 CAST = os.environ.get("FLOW_PROFILE_FP32_WEIGHTS") != "1" and DEVICE.type == "cuda"
-
-# First match wins: attention before convolutions (cuDNN's SDPA kernels are named "..._fprop_..."),
-# convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both).
-CATEGORIES = (
-    ("attention", r"fmha|flash|attention|sdpa"),
-    ("convolution", r"conv|fprop|dgrad|wgrad|im2col"),
-    ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_"),
-    ("layer_norm", r"layer_norm|LayerNorm"),
-    ("cast", r"_to_copy|bfloat16_copy|float16_copy|to_copy"),
-    ("copy_index", r"copy|Cat|cat_|index|gather|scatter|pad|fill|arange"),
-    ("elementwise", r"elementwise|vectorized|unrolled|reduce|softmax"),
-)
-
-
-def category(name: str) -> str:
-    for label, pattern in CATEGORIES:
-        if re.search(pattern, name, re.IGNORECASE):
-            return label
-    return "other"
 
 
 def kernels(prof) -> list[tuple[str, float]]:

@@ -32,6 +32,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cosyapp.bench.timeline import category
 from cosyapp.engine.token2wav.fused import fuse_hift
 from cosyapp.models.hift import HiFTGenerator
 
@@ -77,21 +78,6 @@ def inputs(batch: int, frames: int, streaming: bool, seed: int = 0):
 def vocode(hift, mel, cache):
     gens = [torch.Generator(DEVICE).manual_seed(i) for i in range(mel.size(0))]
     return hift(mel, cache, generators=gens)[0]
-
-
-def category(name: str) -> str:
-    lowered = name.lower()
-    if "conv" in lowered or "cudnn" in lowered or "implicit_gemm" in lowered or "winograd" in lowered:
-        return "convolution"
-    if "fft" in lowered:
-        return "fft"
-    if "copy" in lowered or "cat" in lowered or "index" in lowered or "pad" in lowered:
-        return "copy_index"
-    if "gemm" in lowered or "sm90" in lowered or "cutlass" in lowered:
-        return "gemm"
-    if "elementwise" in lowered or "vectorized" in lowered or "triton" in lowered:
-        return "elementwise"
-    return "other"
 
 
 def profiled(fn) -> dict:

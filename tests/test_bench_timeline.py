@@ -6,7 +6,7 @@ import pytest
 
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.report import timeline_line
-from cosyapp.bench.timeline import Timeline, summarise, thread_names
+from cosyapp.bench.timeline import Timeline, category, summarise, thread_names
 
 
 def _runtime(tid: int, correlation: int, ts: float) -> dict:
@@ -96,3 +96,28 @@ def test_options():
         parse_args(["--timeline-window", "2"])
     with pytest.raises(SystemExit):
         parse_args(["--timeline", "x"])
+
+
+@pytest.mark.parametrize(
+    ("kernel", "expected"),
+    [  # names from the H100 profiles in docs/benchmarks/ (flow_profile.py, hift_speed.py), shortened
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64", "attention"),
+        ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "convolution"),
+        ("nvjet_sm90_hsh_128x128_64x6_2x4_h_bz_bias_TNT", "gemm"),
+        (
+            "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>",
+            "layer_norm",
+        ),
+        (
+            "void at::native::(anonymous namespace)::CatArrayBatchedCopy<OpaqueType<2u>, unsigned int, 4>",
+            "copy_index",
+        ),
+        (
+            "void at::native::elementwise_kernel<128, 4, gpu_kernel_impl<CUDAFunctor_add<float> > >",
+            "elementwise",
+        ),
+        ("Memset (Device)", "other"),
+    ],
+)
+def test_kernel_categories(kernel, expected):
+    assert category(kernel) == expected

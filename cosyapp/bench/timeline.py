@@ -35,13 +35,16 @@ from cosyapp.engine.token2wav.turns import TURNS
 
 log = logging.getLogger(__name__)
 
-# Kernel categories by name, first match wins: attention before convolutions (cuDNN's SDPA kernels
-# are named "..._fprop_..."), convolutions before GEMMs (implicit-GEMM convolutions name both).
+# Kernel categories by name, first match wins (this trace's and the profiling scripts': one table):
+# attention before convolutions (cuDNN's SDPA kernels are named "..._fprop_..."), convolutions before
+# GEMMs (implicit-GEMM convolutions name both), casts before the other copies.
 CATEGORIES = (
     ("attention", r"fmha|flash|attention|sdpa"),
-    ("convolution", r"conv|fprop|dgrad|wgrad|im2col"),
+    ("convolution", r"conv|fprop|dgrad|wgrad|im2col|implicit_gemm|winograd|cudnn"),
+    ("fft", r"fft"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_"),
     ("layer_norm", r"layer_norm|LayerNorm"),
+    ("cast", r"_to_copy|bfloat16_copy|float16_copy|to_copy"),
     ("copy_index", r"copy|Cat|cat_|index|gather|scatter|pad|fill|arange"),
     ("elementwise", r"elementwise|vectorized|unrolled|reduce|softmax|triton"),
 )
@@ -52,6 +55,7 @@ GAP_EDGES_MS = (1, 5, 20, 100)
 
 
 def category(name: str) -> str:
+    """A kernel's category (CATEGORIES), "other" where none matches."""
     for label, pattern in CATEGORIES:
         if re.search(pattern, name, re.IGNORECASE):
             return label
