@@ -7,23 +7,12 @@ import time
 
 import numpy as np
 import torch
+from scheduling import PROMPT_TOKENS, recompute_cost, zero_stream
 
 from cosyapp.engine.token2wav.scheduler import WHOLE_SLACK_S, JobQueue
 from cosyapp.engine.token2wav.stream import Job, Stream
 from cosyapp.engine.token2wav.worker import Token2Wav
 from cosyapp.models.cosyvoice2 import PromptInputs
-
-PROMPT_TOKENS = 20
-
-
-def _stream(streaming: bool = True) -> Stream:
-    prompt = PromptInputs(
-        text_ids=torch.tensor([1]),
-        speech_tokens=torch.zeros(PROMPT_TOKENS, dtype=torch.long),
-        speech_feat=torch.zeros(2 * PROMPT_TOKENS, 80),
-        embedding=torch.zeros(192),
-    )
-    return Stream(prompt, 1.0, streaming, 0, 25, submit=lambda job: None)
 
 
 def _job(loop, stream: Stream, tokens: int, offset: int = 0, finalize: bool = False, at: float | None = None):
@@ -33,12 +22,8 @@ def _job(loop, stream: Stream, tokens: int, offset: int = 0, finalize: bool = Fa
     return job
 
 
-def _recompute_cost(job: Job) -> tuple[tuple, int]:
-    return ("recompute", job.streaming, job.finalize), 2 * (PROMPT_TOKENS + len(job.tokens))
-
-
 def _queue(*jobs: Job, max_batch: int = 8, step_frames: int = 10**6) -> JobQueue:
-    queue = JobQueue(max_batch, step_frames, _recompute_cost)
+    queue = JobQueue(max_batch, step_frames, recompute_cost)
     for job in jobs:
         queue.put(job)
     return queue
@@ -46,10 +31,10 @@ def _queue(*jobs: Job, max_batch: int = 8, step_frames: int = 10**6) -> JobQueue
 
 def test_a_first_chunk_goes_before_streams_with_audio_to_spare(loop):
     now = time.monotonic()
-    playing = _stream()
+    playing = zero_stream()
     playing.first_audio_at, playing.audio_seconds = now - 1.0, 5.0  # runs dry in 4 s
     later = _job(loop, playing, 128, offset=78, at=now - 0.5)
-    first = _job(loop, _stream(), 28, at=now)
+    first = _job(loop, zero_stream(), 28, at=now)
     queue = _queue(later, first, max_batch=1)
     assert queue.take() == [first]
     assert queue.take() == [later]
@@ -57,17 +42,17 @@ def test_a_first_chunk_goes_before_streams_with_audio_to_spare(loop):
 
 def test_a_stream_about_to_run_dry_goes_before_a_first_chunk(loop):
     now = time.monotonic()
-    starving = _stream()
+    starving = zero_stream()
     starving.first_audio_at, starving.audio_seconds = now - 3.0, 2.0  # dry a second ago
-    first = _job(loop, _stream(), 28, at=now)
+    first = _job(loop, zero_stream(), 28, at=now)
     behind = _job(loop, starving, 128, offset=78, at=now - 0.2)
     assert _queue(first, behind, max_batch=1).take() == [behind]
 
 
 def test_a_whole_clip_waits_for_near_gaps_only_up_to_its_slack(loop):
     now = time.monotonic()
-    whole = _job(loop, _stream(streaming=False), 100, finalize=True, at=now)
-    soon, later = _stream(), _stream()
+    whole = _job(loop, zero_stream(streaming=False), 100, finalize=True, at=now)
+    soon, later = zero_stream(), zero_stream()
     soon.first_audio_at, soon.audio_seconds = now, WHOLE_SLACK_S / 2
     later.first_audio_at, later.audio_seconds = now, WHOLE_SLACK_S * 2
     queue = _queue(_job(loop, later, 128, offset=78), whole, _job(loop, soon, 128, offset=78), max_batch=1)
@@ -76,21 +61,21 @@ def test_a_whole_clip_waits_for_near_gaps_only_up_to_its_slack(loop):
 
 def test_a_huge_job_runs_in_a_step_of_its_own_and_small_ones_are_not_padded_to_it(loop):
     now = time.monotonic()
-    huge = _job(loop, _stream(streaming=False), 2000, finalize=True, at=now - 10)  # the most urgent
-    small = [_job(loop, _stream(streaming=False), 50, finalize=True, at=now) for _ in range(3)]
+    huge = _job(loop, zero_stream(streaming=False), 2000, finalize=True, at=now - 10)  # the most urgent
+    small = [_job(loop, zero_stream(streaming=False), 50, finalize=True, at=now) for _ in range(3)]
     queue = _queue(*small, huge, step_frames=3 * 2 * (PROMPT_TOKENS + 50))
     assert queue.take() == [huge]
     assert queue.take() == small
 
 
 def test_a_step_never_passes_its_padded_size_except_for_a_single_job(loop):
-    jobs = [_job(loop, _stream(streaming=False), n, finalize=True) for n in (30, 60, 90, 120, 150)]
+    jobs = [_job(loop, zero_stream(streaming=False), n, finalize=True) for n in (30, 60, 90, 120, 150)]
     budget = 400
     queue = _queue(*jobs, step_frames=budget)
     steps = []
     while len(queue):
         step = queue.take()
-        frames = [_recompute_cost(job)[1] for job in step]
+        frames = [recompute_cost(job)[1] for job in step]
         assert len(step) == 1 or len(step) * max(frames) <= budget
         steps.append(len(step))
     assert sum(steps) == len(jobs) and max(steps) > 1
@@ -98,18 +83,18 @@ def test_a_step_never_passes_its_padded_size_except_for_a_single_job(loop):
 
 def test_a_streams_jobs_leave_in_order_when_one_is_left_for_a_later_step(loop):
     now = time.monotonic()
-    stream = _stream()
+    stream = zero_stream()
     # Its first chunk cannot share a step with the urgent big job; its next chunk must wait for it.
     first = _job(loop, stream, 28, at=now)
     second = _job(loop, stream, 78, offset=28, at=now + 0.01)
-    big = _job(loop, _stream(), 600, at=now - 1)
+    big = _job(loop, zero_stream(), 600, at=now - 1)
     queue = _queue(first, second, big, step_frames=2 * (PROMPT_TOKENS + 600))
     assert queue.take() == [big]
     assert queue.take() == [first, second]
 
 
 def test_take_waits_while_held_and_returns_none_once_closed(loop):
-    queue = _queue(_job(loop, _stream(), 28))
+    queue = _queue(_job(loop, zero_stream(), 28))
     queue.hold()
     left = []
 
@@ -144,26 +129,26 @@ def _take_while_putting(queue: JobQueue, jobs: list[Job], gap_s: float) -> tuple
 
 
 def test_an_idle_worker_gathers_the_jobs_that_come_together(loop):
-    jobs = [_job(loop, _stream(), 28) for _ in range(5)]
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.2, gather_max_s=5.0)
+    jobs = [_job(loop, zero_stream(), 28) for _ in range(5)]
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.2, gather_max_s=5.0)
     batch, _ = _take_while_putting(queue, jobs, gap_s=0.01)
     assert batch == jobs
     # Without gathering the first job leaves alone: the next comes after the worker has taken it.
-    jobs = [_job(loop, _stream(), 28) for _ in range(3)]
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.0)
+    jobs = [_job(loop, zero_stream(), 28) for _ in range(3)]
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.0)
     batch, _ = _take_while_putting(queue, jobs, gap_s=0.1)
     assert batch == jobs[:1] and len(queue) == 2
 
 
 def test_gathering_ends_at_its_cap_or_at_a_full_batch(loop):
     # Jobs that never stop coming: the step leaves at the cap, long before the last job.
-    jobs = [_job(loop, _stream(), 28) for _ in range(60)]
-    queue = JobQueue(100, 10**6, _recompute_cost, gather_s=0.2, gather_max_s=0.1)
+    jobs = [_job(loop, zero_stream(), 28) for _ in range(60)]
+    queue = JobQueue(100, 10**6, recompute_cost, gather_s=0.2, gather_max_s=0.1)
     batch, after = _take_while_putting(queue, jobs, gap_s=0.02)
     assert 1 <= len(batch) < 30 and after < 0.6
     # A full batch leaves at once, whatever the quiet gap.
-    jobs = [_job(loop, _stream(), 28) for _ in range(4)]
-    queue = JobQueue(4, 10**6, _recompute_cost, gather_s=30.0, gather_max_s=30.0)
+    jobs = [_job(loop, zero_stream(), 28) for _ in range(4)]
+    queue = JobQueue(4, 10**6, recompute_cost, gather_s=30.0, gather_max_s=30.0)
     batch, after = _take_while_putting(queue, jobs, gap_s=0.0)
     assert batch == jobs and after < 5.0
 
@@ -221,7 +206,7 @@ def _take_expecting(queue: JobQueue, first: Job, then: Job | None, after_s: floa
     """A worker's ``take`` (on a thread) with ``first`` queued and ``then``'s stream expected, its job
     put ``after_s`` later (None: the expectation ends instead). ``waiting``: ``first`` was queued
     before the worker looked, as after a step (no idle gathering). Returns the batch and its wait."""
-    expected = then.stream if then is not None else _stream()
+    expected = then.stream if then is not None else zero_stream()
     queue.expect(expected, True)
     if waiting:
         queue.put(first)
@@ -243,29 +228,29 @@ def _take_expecting(queue: JobQueue, first: Job, then: Job | None, after_s: floa
 
 
 def test_a_step_waits_for_the_job_of_a_stream_it_expects(loop):
-    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=5.0)
+    a, b = _job(loop, zero_stream(), 28), _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, expect_s=5.0)
     batch, waited = _take_expecting(queue, a, b, after_s=0.3)
     assert batch == [a, b] and waited >= 0.3 and queue.expected == 0
     # Jobs already waiting after a step: the step waits for the expected job too.
-    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=5.0)
+    a, b = _job(loop, zero_stream(), 28), _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, expect_s=5.0)
     batch, _ = _take_expecting(queue, a, b, after_s=0.3, waiting=True)
     assert batch == [a, b]
     # Expecting nothing (expect_s 0), the quiet gap takes the first job alone.
-    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=0.0)
+    a, b = _job(loop, zero_stream(), 28), _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, expect_s=0.0)
     batch, _ = _take_expecting(queue, a, b, after_s=0.3)
     assert batch == [a] and len(queue) == 1
 
 
 def test_expecting_ends_at_its_cap_or_when_the_stream_is_expected_no_more(loop):
-    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=0.2)
+    a, b = _job(loop, zero_stream(), 28), _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, expect_s=0.2)
     batch, waited = _take_expecting(queue, a, b, after_s=1.0)
     assert batch == [a] and 0.15 <= waited < 0.9
-    a = _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, expect_s=30.0)
+    a = _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, expect_s=30.0)
     batch, waited = _take_expecting(queue, a, None, after_s=0.2)  # the stream ended: no job comes
     assert batch == [a] and waited < 5.0
 
@@ -343,15 +328,15 @@ def test_a_stream_one_lm_step_ahead_shares_its_first_flow_call(tiny_model):
 
 def test_no_expecting_leaves_the_quiet_gap_alone_and_later_expectations_are_not_waited_for(loop):
     # expect_s 0: a stream expected changes nothing, the quiet gap ends the gathering.
-    a, b = _job(loop, _stream(), 28), _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=0.002, gather_max_s=5.0, expect_s=0.0)
+    a, b = _job(loop, zero_stream(), 28), _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=0.002, gather_max_s=5.0, expect_s=0.0)
     batch, waited = _take_expecting(queue, a, b, after_s=1.0)
     assert batch == [a] and waited < 0.9
     # A stream expected only after the step's first look does not hold the step: the quiet gap
     # (1 s) ends it, not the expectation (30 s).
-    a = _job(loop, _stream(), 28)
-    queue = JobQueue(8, 10**6, _recompute_cost, gather_s=1.0, gather_max_s=5.0, expect_s=30.0)
-    later = threading.Timer(0.3, queue.expect, args=(_stream(), True))
+    a = _job(loop, zero_stream(), 28)
+    queue = JobQueue(8, 10**6, recompute_cost, gather_s=1.0, gather_max_s=5.0, expect_s=30.0)
+    later = threading.Timer(0.3, queue.expect, args=(zero_stream(), True))
     later.start()
     batch, waited = _take_while_putting(queue, [a], gap_s=0.0)
     later.join()
@@ -361,15 +346,15 @@ def test_no_expecting_leaves_the_quiet_gap_alone_and_later_expectations_are_not_
 def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop):
     def clips(queue, count=6):  # 240 padded frames each
         for _ in range(count):
-            clip = _job(loop, _stream(streaming=False), 100)
+            clip = _job(loop, zero_stream(streaming=False), 100)
             queue.open(clip.stream)
             queue.put(clip)
 
-    queue = JobQueue(8, 500, _recompute_cost, whole_step_frames=1000, whole_grace_s=0.3)
+    queue = JobQueue(8, 500, recompute_cost, whole_step_frames=1000, whole_grace_s=0.3)
     clips(queue)
     assert len(queue.take()) == 4  # 4 x 240 within 1000: no stream streams
     assert len(queue.take()) == 2
-    streaming = _stream()
+    streaming = zero_stream()
     queue.open(streaming)  # opened, not yet run: its first chunk may come any moment
     clips(queue)
     assert len(queue.take()) == 2  # 2 x 240 within 500
@@ -379,16 +364,16 @@ def test_steps_of_whole_clips_reach_their_own_bound_while_no_stream_streams(loop
     clips(queue)
     assert len(queue.take()) == 4
     # A stream freed before any step saw it end counts as ended then (a grace no slow machine outlasts).
-    queue = JobQueue(8, 500, _recompute_cost, whole_step_frames=1000, whole_grace_s=60.0)
+    queue = JobQueue(8, 500, recompute_cost, whole_step_frames=1000, whole_grace_s=60.0)
     clips(queue)
     assert len(queue.take()) == 4  # no stream has ended yet
-    freed = _stream()
+    freed = zero_stream()
     queue.open(freed)
     del freed
     gc.collect()
     clips(queue)
     assert len(queue.take()) == 2
     # Without a bound of their own, whole clips keep to the step's.
-    plain = JobQueue(8, 500, _recompute_cost)
+    plain = JobQueue(8, 500, recompute_cost)
     clips(plain)
     assert len(plain.take()) == 2

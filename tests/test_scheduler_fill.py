@@ -5,27 +5,12 @@ import time
 
 import pytest
 import torch
+from scheduling import PROMPT_TOKENS, recompute_cost, zero_stream
 
 from cosyapp.engine.token2wav.scheduler import FILL_MARGIN_S, JobQueue
 from cosyapp.engine.token2wav.stream import Job, Stream
-from cosyapp.models.cosyvoice2 import PromptInputs
 
-PROMPT_TOKENS = 20
 FILL_S = 2.0
-
-
-def _stream(streaming: bool = True, dry_in: float | None = None) -> Stream:
-    """A stream whose listener runs dry ``dry_in`` seconds from now (None: no audio yet)."""
-    prompt = PromptInputs(
-        text_ids=torch.tensor([1]),
-        speech_tokens=torch.zeros(PROMPT_TOKENS, dtype=torch.long),
-        speech_feat=torch.zeros(2 * PROMPT_TOKENS, 80),
-        embedding=torch.zeros(192),
-    )
-    stream = Stream(prompt, 1.0, streaming, 0, 25, submit=lambda job: None)
-    if dry_in is not None:
-        stream.first_audio_at, stream.audio_seconds = time.monotonic() - 1.0, 1.0 + dry_in
-    return stream
 
 
 def _job(loop, stream: Stream, tokens: int = 128, finalize: bool = False) -> Job:
@@ -33,10 +18,7 @@ def _job(loop, stream: Stream, tokens: int = 128, finalize: bool = False) -> Job
 
 
 def _queue(*jobs: Job, max_batch: int = 3, fill_s: float = FILL_S, step_frames: int = 10**6) -> JobQueue:
-    def cost(job: Job) -> tuple[tuple, int]:
-        return ("recompute", job.streaming, job.finalize), 2 * (PROMPT_TOKENS + len(job.tokens))
-
-    queue = JobQueue(max_batch, step_frames, cost, fill_s=fill_s)
+    queue = JobQueue(max_batch, step_frames, recompute_cost, fill_s=fill_s)
     for job in jobs:
         queue.put(job)
     return queue
@@ -54,7 +36,7 @@ def _put_later(queue: JobQueue, job: Job, after_s: float) -> threading.Thread:
 
 
 def test_a_step_of_streams_with_audio_to_spare_waits_to_fill_then_goes_when_full(loop):
-    spare = [_job(loop, _stream(dry_in=5.0)) for _ in range(3)]
+    spare = [_job(loop, zero_stream(dry_in=5.0)) for _ in range(3)]
     queue = _queue(spare[0])
     late = [_put_later(queue, spare[1], 0.05), _put_later(queue, spare[2], 0.15)]
     batch, took = _timed_take(queue)
@@ -66,7 +48,7 @@ def test_a_step_of_streams_with_audio_to_spare_waits_to_fill_then_goes_when_full
 
 
 def test_a_step_that_does_not_fill_goes_after_fill_s_with_what_it_has(loop):
-    alone = _job(loop, _stream(dry_in=5.0))
+    alone = _job(loop, zero_stream(dry_in=5.0))
     batch, took = _timed_take(_queue(alone))
     assert batch == [alone] and took >= FILL_S
 
@@ -74,26 +56,26 @@ def test_a_step_that_does_not_fill_goes_after_fill_s_with_what_it_has(loop):
 @pytest.mark.parametrize(
     ("what", "stream"),
     [
-        ("a first chunk", lambda: _stream(dry_in=None)),
-        ("a whole clip", lambda: _stream(streaming=False)),
-        ("a stream about to run dry", lambda: _stream(dry_in=FILL_MARGIN_S / 2)),
+        ("a first chunk", lambda: zero_stream(dry_in=None)),
+        ("a whole clip", lambda: zero_stream(streaming=False)),
+        ("a stream about to run dry", lambda: zero_stream(dry_in=FILL_MARGIN_S / 2)),
     ],
 )
 def test_an_urgent_job_takes_its_step_at_once(loop, what, stream):
-    spare, urgent = _job(loop, _stream(dry_in=5.0)), _job(loop, stream())
+    spare, urgent = _job(loop, zero_stream(dry_in=5.0)), _job(loop, stream())
     batch, took = _timed_take(_queue(spare, urgent))
     assert set(map(id, batch)) == {id(spare), id(urgent)}, what
     assert took < FILL_S / 3, what
 
 
 def test_a_stream_already_dry_is_not_urgent_its_step_fills(loop):
-    dry = _job(loop, _stream(dry_in=-0.5))
+    dry = _job(loop, zero_stream(dry_in=-0.5))
     batch, took = _timed_take(_queue(dry))
     assert batch == [dry] and took >= FILL_S
 
 
 def test_an_urgent_job_that_comes_during_the_fill_ends_it(loop):
-    spare, first = _job(loop, _stream(dry_in=5.0)), _job(loop, _stream(dry_in=None), tokens=28)
+    spare, first = _job(loop, zero_stream(dry_in=5.0)), _job(loop, zero_stream(dry_in=None), tokens=28)
     queue = _queue(spare)
     thread = _put_later(queue, first, 0.1)
     batch, took = _timed_take(queue)
@@ -102,10 +84,10 @@ def test_an_urgent_job_that_comes_during_the_fill_ends_it(loop):
 
 
 def test_without_fill_a_step_goes_at_once_and_closing_ends_a_fill(loop):
-    spare = _job(loop, _stream(dry_in=5.0))
+    spare = _job(loop, zero_stream(dry_in=5.0))
     batch, took = _timed_take(_queue(spare, fill_s=0.0))
     assert batch == [spare] and took < FILL_S / 3
-    queue = _queue(_job(loop, _stream(dry_in=5.0)), fill_s=30.0)
+    queue = _queue(_job(loop, zero_stream(dry_in=5.0)), fill_s=30.0)
     closer = threading.Thread(target=lambda: (time.sleep(0.1), queue.close()))
     closer.start()
     batch, took = _timed_take(queue)
@@ -114,7 +96,7 @@ def test_without_fill_a_step_goes_at_once_and_closing_ends_a_fill(loop):
 
 
 def test_a_step_its_padded_bound_fills_goes_at_once(loop):
-    spare = [_job(loop, _stream(dry_in=5.0)) for _ in range(3)]
+    spare = [_job(loop, zero_stream(dry_in=5.0)) for _ in range(3)]
     one_job = 2 * (PROMPT_TOKENS + 128)
     batch, took = _timed_take(_queue(*spare, max_batch=8, step_frames=2 * one_job))
     assert batch == spare[:2] and took < FILL_S / 3  # two fit, the third waits for the next step
