@@ -9,8 +9,8 @@ from cosyapp.bench.report import timeline_line
 from cosyapp.bench.timeline import Timeline, category, summarise, thread_names
 
 
-def _runtime(tid: int, correlation: int, ts: float) -> dict:
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "ts": ts, "dur": 5,
+def _runtime(tid: int, correlation: int, ts: float, name: str = "cudaLaunchKernel", dur: float = 5) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "tid": tid, "ts": ts, "dur": dur,
             "args": {"correlation": correlation}}  # fmt: skip
 
 
@@ -27,6 +27,7 @@ def test_streams_threads_overlap_and_gaps():
         _runtime(11, 2, 10),
         _runtime(22, 3, 20),
         _runtime(22, 4, 30),
+        _runtime(22, 6, 35, "cudaMalloc", 2000),  # a long allocation among the HiFT thread's launches
         _runtime(99, 5, 40),
         _kernel("ampere_fp16_s16816gemm_fp16_128x128", 7, 1, 0, 4000),
         _kernel("void at::native::vectorized_elementwise_kernel", 7, 2, 4500, 1500),
@@ -51,8 +52,13 @@ def test_streams_threads_overlap_and_gaps():
     assert got["gaps"]["20-100 ms"] == {"count": 1, "s": 0.024}
     assert sum(g["count"] for g in got["gaps"].values()) == 1
     assert got["host_calls"]["token2wav"] == {
-        "calls": 2, "s": 1e-05, "longest_ms": 0.005, "api_s": {"cudaLaunchKernel": 1e-05}
+        "calls": 2, "s": 1e-05, "longest_ms": 0.005, "api_s": {"cudaLaunchKernel": 1e-05},
+        "api_longest_ms": {"cudaLaunchKernel": 0.005},
     }  # fmt: skip
+    hift_calls = got["host_calls"]["token2wav-hift"]
+    assert hift_calls["longest_ms"] == 2.0
+    assert hift_calls["api_longest_ms"] == {"cudaMalloc": 2.0, "cudaLaunchKernel": 0.005}
+    assert list(got["host_calls"])[0] == "token2wav-hift"  # the most seconds first
     assert set(got["host_calls"]) == {
         "token2wav",
         "token2wav-hift",
@@ -60,6 +66,7 @@ def test_streams_threads_overlap_and_gaps():
     }  # 4000-4500 is covered by the HiFT stream
     line = timeline_line(got)
     assert "busy 23 %" in line and "token2wav 21 %" in line and "token2wav-hift 6 %" in line
+    assert "token2wav-hift 0.00 s (longest 2.0 ms, cudaMalloc)" in line
 
 
 def test_no_device_work():

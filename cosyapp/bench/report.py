@@ -77,7 +77,7 @@ def timeline_line(traced: dict) -> str:
         f"{next(iter(s['threads']), '?')} {100 * s['busy_share']:.0f} %" for s in traced["streams"].values()
     )
     host = ", ".join(
-        f"{thread} {c['s']:.2f} s (longest {c['longest_ms']:.1f} ms)"
+        f"{thread} {c['s']:.2f} s (longest {c['longest_ms']:.1f} ms{_longest_api(c)})"
         for thread, c in list(traced.get("host_calls", {}).items())[:3]
     )
     return (
@@ -85,6 +85,12 @@ def timeline_line(traced: dict) -> str:
         f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}; "
         f"CUDA calls by thread: {host}"
     )
+
+
+def _longest_api(calls: dict) -> str:
+    """The API of a thread's longest CUDA call, where the trace says which (``api_longest_ms``)."""
+    longest = calls.get("api_longest_ms")
+    return f", {max(longest, key=longest.get)}" if longest else ""
 
 
 def row(level: dict) -> str:

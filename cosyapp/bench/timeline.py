@@ -147,7 +147,13 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
     a launching thread not among them is named by its id. Times in the trace are microseconds."""
     launcher = {}  # correlation id -> the launching thread's name
     host: dict[str, dict] = defaultdict(
-        lambda: {"calls": 0, "s": 0.0, "longest_ms": 0.0, "api_s": defaultdict(float)}
+        lambda: {
+            "calls": 0,
+            "s": 0.0,
+            "longest_ms": 0.0,
+            "api_s": defaultdict(float),
+            "api_ms": defaultdict(float),
+        }
     )
     for event in events:
         if event.get("cat") == "cuda_runtime":
@@ -161,6 +167,10 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
             calls["s"] += seconds
             calls["longest_ms"] = max(calls["longest_ms"], 1000 * seconds)
             calls["api_s"][event.get("name", "?")] += seconds
+            # the longest call of each API: one long cudaMalloc or sync tells apart from many launches
+            calls["api_ms"][event.get("name", "?")] = max(
+                calls["api_ms"][event.get("name", "?")], 1000 * seconds
+            )
     work = [
         e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X" and e.get("dur") is not None
     ]
@@ -206,6 +216,7 @@ def summarise(events: list[dict], names: dict[int, str]) -> dict:
                 "s": round(c["s"], 6),
                 "longest_ms": round(c["longest_ms"], 3),
                 "api_s": dict(list(_largest_first(c["api_s"], 6).items())[:5]),
+                "api_longest_ms": dict(list(_largest_first(c["api_ms"], 3).items())[:5]),
             }
             for thread, c in sorted(host.items(), key=lambda kv: -kv[1]["s"])
         },
