@@ -8,7 +8,8 @@
 # blocks (the same with the incremental step's transformer blocks compiled whole, not served),
 # step (the incremental step and the whole-clip forward compiled whole, against eager),
 # step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift),
-# hift-cold (eager HiFT's first call at batch sizes not run before, against its second).
+# hift-cold (eager HiFT's first call at batch sizes not run before, against its second), hift-beside
+# (HiFT's first-chunk call beside a flow call and other neighbours, its launches traced).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
 # scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz.NN (the
 # compiled kernels; put back in .gpu-carry/, a later run starts from them) to $OUT.
@@ -19,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 source scripts/gpu-caches.sh
 unpack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
-name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift or hift-cold}
+name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift, hift-cold or hift-beside}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward
 case "$name" in
@@ -36,6 +37,7 @@ whole) run=(env FLOW_PROFILE_BATCHES= FLOW_PROFILE_WHOLE=23,64 FLOW_PROFILE_WHOL
     python scripts/flow_profile.py "$OUT/$name.json") ;;
 hift) run=(python scripts/hift_speed.py "$OUT/$name.json") ;;
 hift-cold) run=(env HIFT_SPEED_COLD=1 python scripts/hift_speed.py "$OUT/$name.json") ;;
+hift-beside) run=(python scripts/hift_beside.py "$OUT/$name.json") ;;
 *) echo "unknown experiment: $name" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

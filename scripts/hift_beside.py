@@ -1,0 +1,197 @@
+"""HiFT's first-chunk call beside a flow call, on a CUDA device, without vLLM: is its launch held?
+
+    PYTHONPATH=$PWD python scripts/hift_beside.py [out.json]
+
+In the engine at 64 streams the first chunk's HiFT call took 500-544 ms to launch its kernels
+(``hift_launch``), against 22-37 ms at one stream, and its device work was done by the time the last
+launch returned (``hift_wait`` 1-4 ms); alone, a call of 64 chunks takes about 100 ms (eager, H100).
+This script puts the same call beside a flow call in one process, on the worker's CUDA streams
+(cuda_streams.role_stream: the flow at priority 0, HiFT one above), to see which neighbour holds
+the launches. CosyVoice2-0.5B sizes, random weights; HiFT eager with its weight norm fused (its
+Snakes are not compiled here), the flow as served (fp16 weights, fp16 autocast), eagerly.
+
+Per setting, HiFT's call at 64 rows x 108 mel frames (a first chunk with its 8 cached frames) is
+timed 5 times: ``launch_ms`` (the call returned: every kernel launched) and ``wait_ms`` (its stream
+then synchronised). Settings:
+- alone;
+- beside the flow: a thread runs the flow's recompute of a first chunk at 64 rows in a loop (about
+  400 ms a call);
+- beside the flow, HiFT at the flow's priority;
+- beside a flood of small kernels (one thread adding to a small tensor, as fast as it launches);
+- beside large matrix products (a few long kernels that fill the device).
+Each setting's last call beside a neighbour is traced (bench/timeline.py): each thread's CUDA calls,
+the longest of each API, so a launch held by a full queue (a long cudaLaunchKernel) shows apart from
+one held elsewhere. Run it again with CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8 hardware
+queues per context, which streams share) to see whether the two streams share one.
+
+HIFT_BESIDE_SMOKE=1: every setting once on the CPU, small (no timing value), to check the script.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from cosyapp.bench.timeline import Timeline
+from cosyapp.engine.cuda_streams import role_stream
+from cosyapp.engine.token2wav.precision import cast_matmul_weights
+from cosyapp.models.flow import CausalMaskedDiffWithXvec
+from cosyapp.models.hift import HiFTGenerator
+
+SMOKE = os.environ.get("HIFT_BESIDE_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+ROWS = 2 if SMOKE else 64
+FRAMES = 108  # a first chunk's mel: 100 new frames and the 8 HiFT caches in front
+CACHED_SOURCE = 3840
+PROMPT, FIRST_CALL = 75, 28  # a 3 s prompt; a first chunk's 25 tokens and the lookahead
+CALLS = 1 if SMOKE else 5
+
+
+def stream(role: str, priority: int):
+    return contextlib.nullcontext() if SMOKE else torch.cuda.stream(role_stream(role, DEVICE, priority))
+
+
+def sync() -> None:
+    if not SMOKE:
+        torch.cuda.current_stream().synchronize()
+
+
+class Neighbour(threading.Thread):
+    """A thread that calls ``work`` on its own CUDA stream until stopped, counting the calls."""
+
+    def __init__(self, name: str, work, priority: int = 0):
+        super().__init__(name=name, daemon=True)
+        self.work, self.priority = work, priority
+        self.calls, self.busy = 0, threading.Event()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        with torch.inference_mode(), stream(self.name, self.priority):
+            while not self._stop_event.is_set():
+                self.work()
+                self.calls += 1
+                self.busy.set()
+            sync()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def flow_work(flow):
+    g = torch.Generator().manual_seed(0)
+    speech = torch.randint(0, 6561, (PROMPT,), generator=g).to(DEVICE)
+    feat = (torch.randn(2 * PROMPT, 80, generator=g) - 5).to(DEVICE)
+    emb = torch.randn(192, generator=g).to(DEVICE)
+    tokens = torch.randint(0, 6561, (FIRST_CALL,), generator=g).to(DEVICE)
+    full = lambda n: torch.full((ROWS,), n, device=DEVICE)  # noqa: E731
+
+    def call():
+        with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=not SMOKE):
+            flow.inference(
+                token=tokens.expand(ROWS, -1), token_len=full(FIRST_CALL),
+                prompt_token=speech.expand(ROWS, -1), prompt_token_len=full(PROMPT),
+                prompt_feat=feat.expand(ROWS, -1, -1), prompt_feat_len=full(2 * PROMPT),
+                embedding=emb.expand(ROWS, -1), streaming=True, finalize=False,
+            )  # fmt: skip
+        sync()  # the worker waits for each flow call before handing its mels on
+
+    return call
+
+
+def small_kernels():
+    x = torch.zeros(256, device=DEVICE)
+
+    def call():
+        for _ in range(200):
+            x.add_(1.0)
+
+    return call
+
+
+def large_products():
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.float16 if not SMOKE else torch.float32)
+
+    def call():
+        for _ in range(4):
+            a @ a
+        sync()
+
+    return call
+
+
+def hift_calls(hift, priority: int, traced: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    mel = (torch.randn(ROWS, 80, FRAMES, generator=g) * 2 - 5).to(DEVICE)
+    cache = (torch.randn(ROWS, 1, CACHED_SOURCE, generator=g) * 0.1).to(DEVICE)
+    gens = [torch.Generator(DEVICE).manual_seed(i) for i in range(ROWS)]
+    launch, wait, timeline = [], [], None
+    with torch.inference_mode(), stream("hift", priority):
+        for i in range(CALLS):
+            if traced and i == CALLS - 1:
+                timeline = Timeline(start_s=0.0, window_s=30.0)
+                timeline.start()
+                time.sleep(0.2)  # the profiler is on before the call
+            started = time.perf_counter()
+            hift(mel, cache, generators=gens)
+            launched = time.perf_counter()
+            sync()
+            done = time.perf_counter()
+            launch.append(round(1000 * (launched - started), 2))
+            wait.append(round(1000 * (done - launched), 2))
+            time.sleep(0.05)
+    row = {"launch_ms": launch, "wait_ms": wait}
+    if timeline is not None:
+        timeline.finish()
+        row["timeline"] = timeline.summary()
+    return row
+
+
+@torch.inference_mode()
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "hift-beside.json"
+    torch.manual_seed(0)
+    hift = HiFTGenerator().to(DEVICE).eval()
+    hift.fuse_weight_norm()
+    flow = CausalMaskedDiffWithXvec().to(DEVICE).eval()
+    if not SMOKE:
+        cast_matmul_weights(flow, torch.float16)
+    rows = []
+
+    def emit(row: dict) -> None:  # rewritten each row: a run cut short keeps its rows
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with open(out, "w") as f:
+            device = torch.cuda.get_device_name() if not SMOKE else "cpu"
+            env = {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS",)}
+            json.dump({"device": device, "torch": torch.__version__, "env": env, "rows": rows}, f, indent=1)
+
+    flow_call = flow_work(flow)
+    started = time.perf_counter()
+    flow_call()
+    emit({"setting": "flow call alone", "first_ms": round(1000 * (time.perf_counter() - started), 1)})
+    started = time.perf_counter()
+    flow_call()
+    emit({"setting": "flow call alone", "ms": round(1000 * (time.perf_counter() - started), 1)})
+    emit({"setting": "alone"} | hift_calls(hift, -1, traced=False))
+    settings = (
+        ("beside the flow", flow_call, -1),
+        ("beside the flow, the same priority", flow_call, 0),
+        ("beside small kernels", small_kernels(), -1),
+        ("beside large products", large_products(), -1),
+    )
+    for name, work, priority in settings:
+        neighbour = Neighbour("flow", work)
+        neighbour.start()
+        neighbour.busy.wait()
+        row = hift_calls(hift, priority, traced=True)
+        neighbour.stop()
+        emit({"setting": name, "neighbour_calls": neighbour.calls} | row)
+
+
+if __name__ == "__main__":
+    main()
