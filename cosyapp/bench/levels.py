@@ -32,6 +32,7 @@ ENGINE_FIELDS = (
     "lm_max_batch",
     "flow_max_batch",
     "hift_max_batch",
+    "stage_last_s",
     "stages",
     "gpu_peak_allocated_gb",
     "gpu_device_used_gb",

@@ -120,6 +120,12 @@ def row(level: dict) -> str:
             f"HiFT<={level['hift_max_batch']}  flow {stages['flow_s']:.2f} s ({stages['flow_calls']} calls) "
             f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']})"
         )
+        last = level.get("stage_last_s") or {}
+        if last.get("lm") and stages.get("lm_tokens"):
+            parts.append(
+                f"LM decoded until {last['lm']:.2f} s of {level['wall_s']:.2f} "
+                f"({stages['lm_tokens'] / last['lm']:.0f} tokens/s while it did)"
+            )
         if stages.get("incremental_jobs") or stages.get("flow_cache_fallbacks"):
             parts.append(
                 f"flow jobs incremental {stages['incremental_jobs']}, recomputed {stages['recompute_jobs']}; "

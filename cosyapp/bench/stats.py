@@ -1,6 +1,7 @@
 """What a level measures: per-request timings, their summary, and the engines' own statistics."""
 
 import asyncio
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -168,6 +169,9 @@ class BatchSampler:
     A poll adds a sample for a stage only when that engine progressed since the previous poll (a
     decode step, a flow call, a HiFT call), so idle time and an earlier level's last batch add none.
     Samples are not calls: a poll sees only the latest of the calls made since the previous one.
+    It also notes when each stage last progressed, in seconds from ``start`` (``stage_last_s``): an
+    LM that ended its decoding well before the level's end did not hold the level up; the stages
+    after it did.
     """
 
     def __init__(self, pipeline: Pipeline, period: float = 0.002):
@@ -176,8 +180,11 @@ class BatchSampler:
         self.samples: dict[str, list[int]] = {stage: [] for stage in STAGES}
         self._last = engine_counters(pipeline)
         self._task: asyncio.Task | None = None
+        self._started = time.perf_counter()
+        self.last_s: dict[str, float | None] = dict.fromkeys(STAGES)
 
     def start(self) -> None:
+        self._started = time.perf_counter()
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -196,18 +203,28 @@ class BatchSampler:
                 for stage, sizes in self.samples.items()
             },
             **{f"{stage}_max_batch": max(sizes, default=0) for stage, sizes in self.samples.items()},
+            "stage_last_s": {
+                stage: None if at is None else round(at, 3) for stage, at in self.last_s.items()
+            },
         }
 
     def _poll(self) -> None:
         (lm0, t2w0), (lm, t2w) = self._last, engine_counters(self.pipeline)
+        now = time.perf_counter() - self._started
+        progressed = {
+            "lm": lm.tokens_generated > lm0.tokens_generated,
+            "flow": t2w.flow_calls > t2w0.flow_calls,
+            "hift": t2w.hift_calls > t2w0.hift_calls,
+        }
+        self.last_s.update({stage: now for stage, moved in progressed.items() if moved})
         # A step cannot be larger than the requests running; this also drops a size left over from
         # before the level (a first token comes from a prefill, which reports no size, and vLLM
         # reports its scheduler's sizes with a delay).
-        if lm.tokens_generated > lm0.tokens_generated and lm.running:
+        if progressed["lm"] and lm.running:
             self.samples["lm"].append(min(lm.last_batch_size, lm.running))
-        if t2w.flow_calls > t2w0.flow_calls:
+        if progressed["flow"]:
             self.samples["flow"].append(t2w.last_flow_batch)
-        if t2w.hift_calls > t2w0.hift_calls:
+        if progressed["hift"]:
             self.samples["hift"].append(t2w.last_hift_batch)
         self._last = (lm, t2w)
 
