@@ -6,6 +6,7 @@ import pytest
 
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.report import timeline_line
+from cosyapp.bench.run import level_timeline
 from cosyapp.bench.timeline import Timeline, category, summarise, thread_names
 
 
@@ -96,13 +97,16 @@ def test_a_level_that_ends_first():
 
 
 def test_options():
-    args = parse_args(["--clients", "1,64", "--timeline", "64", "--timeline-window", "2,1.5"])
-    assert args.timeline == [64] and args.timeline_window == (2.0, 1.5)
+    args = parse_args(["--clients", "1,64,256", "--timeline", "64,stream:256", "--timeline-window", "2,1.5"])
+    assert args.timeline == [(None, 64), ("stream", 256)] and args.timeline_window == (2.0, 1.5)
     assert parse_args([]).timeline == []
-    with pytest.raises(SystemExit):
-        parse_args(["--timeline-window", "2"])
-    with pytest.raises(SystemExit):
-        parse_args(["--timeline", "x"])
+    # which levels get a window: 64 in either mode, 256 only streaming
+    levels = [(m, c) for m in ("stream", "whole") for c in (1, 64, 256)]
+    traced = {level for level in levels if level_timeline(args, *level) is not None}
+    assert traced == {("stream", 64), ("whole", 64), ("stream", 256)}
+    for bad in (["--timeline-window", "2"], ["--timeline", "x"], ["--timeline", "live:64"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 @pytest.mark.parametrize(

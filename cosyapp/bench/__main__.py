@@ -216,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--timeline",
         default="",
-        metavar="CLIENTS",
+        metavar="[MODE:]CLIENTS",
         help="comma-separated concurrency levels whose GPU work is traced for a window (torch.profiler, "
         "this process's kernels by CUDA stream and launching thread: cosyapp/bench/timeline.py), "
-        "variants' levels too (default: none)",
+        "variants' levels too; stream:64 traces only the streaming level of 64 (default: none)",
     )
     add(
         "--timeline-window",
@@ -230,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workdir", default=None, help="where the random model and caches go (default: a new temp folder)")
     add("--out", type=Path, default=Path("bench.json"), help="result JSON; plots go beside it")
     return parser
+
+
+def _traced(entry: str) -> tuple[str | None, int]:
+    """A --timeline entry as (mode or None for every mode, clients); ValueError if malformed."""
+    mode, _, clients = entry.rpartition(":")
+    if mode and mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    return mode or None, int(clients)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -244,10 +252,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--clients takes whole numbers separated by commas, got {args.clients!r}")
     try:
-        args.timeline = [int(c) for c in args.timeline.split(",") if c]
+        args.timeline = [_traced(entry) for entry in args.timeline.split(",") if entry]
         args.timeline_window = tuple(float(x) for x in args.timeline_window.split(","))
     except ValueError:
-        parser.error("--timeline takes whole numbers and --timeline-window two numbers, comma-separated")
+        parser.error(
+            "--timeline takes [MODE:]CLIENTS entries (a mode of --modes) and --timeline-window two numbers, "
+            "comma-separated"
+        )
     if len(args.timeline_window) != 2 or min(args.timeline_window) < 0:
         parser.error(f"--timeline-window takes START,SECONDS, got {args.timeline_window}")
     args.modes = [_choice(parser, "--modes", m, MODES) for m in args.modes.split(",")]

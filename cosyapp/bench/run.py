@@ -146,7 +146,7 @@ async def _measure_all(
             progress.set_description(f"{driver.name} {text.name} {mode} x{clients}")
             served_here = pipeline if driver.name == "pipeline" or not args.url else None
             with decoding_ratio(pipeline.model, text.ratio):
-                traced = _timeline(args, clients) if served_here is not None else None
+                traced = level_timeline(args, mode, clients) if served_here is not None else None
                 level = await measure(
                     driver, text, mode == "stream", clients, served_here, progress.update, traced
                 )
@@ -202,7 +202,7 @@ async def _measure_variant(
                 waited = {"compile_wait_s": time.perf_counter() - started, "compiled_before": compiled}
         for text, mode, clients in itertools.product(texts, args.modes, args.clients):
             with decoding_ratio(pipeline.model, text.ratio):
-                traced = _timeline(args, clients)
+                traced = level_timeline(args, mode, clients)
                 level = await measure(
                     driver, text, mode == "stream", clients, pipeline, progress.update, traced
                 )
@@ -213,9 +213,10 @@ async def _measure_variant(
     return levels
 
 
-def _timeline(args: argparse.Namespace, clients: int) -> Timeline | None:
-    """A window of GPU trace for a level of ``clients`` listed in --timeline."""
-    return Timeline(*args.timeline_window) if clients in args.timeline else None
+def level_timeline(args: argparse.Namespace, mode: str, clients: int) -> Timeline | None:
+    """A window of GPU trace for a level that --timeline lists (its mode and clients, or its clients)."""
+    listed = (mode, clients) in args.timeline or (None, clients) in args.timeline
+    return Timeline(*args.timeline_window) if listed else None
 
 
 def levels_file(out: Path) -> Path:
