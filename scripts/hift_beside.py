@@ -18,7 +18,10 @@ then synchronised). Settings:
   400 ms a call);
 - beside the flow, HiFT at the flow's priority;
 - beside a flood of small kernels (one thread adding to a small tensor, as fast as it launches);
-- beside large matrix products (a few long kernels that fill the device).
+- beside large matrix products (a few long kernels that fill the device);
+- beside another process that runs steps of small products in a loop, as vLLM's engine core does
+  in its own process (the device then time-slices between the two processes' contexts), alone and
+  with the flow too.
 Each setting's last call beside a neighbour is traced (bench/timeline.py): each thread's CUDA calls,
 the longest of each API, so a launch held by a full queue (a long cudaLaunchKernel) shows apart from
 one held elsewhere. Run it again with CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8 hardware
@@ -30,6 +33,7 @@ HIFT_BESIDE_SMOKE=1: every setting once on the CPU, small (no timing value), to 
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -124,6 +128,41 @@ def large_products():
     return call
 
 
+# A decode-like loop in a process of its own: 28 layers of products at 256 rows, then a wait for the
+# device, over and over, until killed (stdin closed).
+OTHER_PROCESS = """
+import sys, threading, torch
+dev = "cpu" if sys.argv[1] == "cpu" else "cuda"
+x = torch.randn(256, 896, device=dev)
+w = torch.randn(896, 896, device=dev)
+threading.Thread(target=lambda: (sys.stdin.read(), __import__("os")._exit(0)), daemon=True).start()
+print("ready", flush=True)
+while True:
+    for _ in range(28 * 4):
+        x = torch.tanh(x @ w)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+"""
+
+
+@contextlib.contextmanager
+def other_process():
+    """A process of its own running OTHER_PROCESS on the device while the block runs."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", OTHER_PROCESS, DEVICE.type],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # its loop is running
+        yield
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
 def hift_calls(hift, priority: int, traced: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     mel = (torch.randn(ROWS, 80, FRAMES, generator=g) * 2 - 5).to(DEVICE)
@@ -191,6 +230,14 @@ def main() -> None:
         row = hift_calls(hift, priority, traced=True)
         neighbour.stop()
         emit({"setting": name, "neighbour_calls": neighbour.calls} | row)
+    with other_process():
+        emit({"setting": "beside another process"} | hift_calls(hift, -1, traced=True))
+        neighbour = Neighbour("flow", flow_call)
+        neighbour.start()
+        neighbour.busy.wait()
+        row = hift_calls(hift, -1, traced=True)
+        neighbour.stop()
+        emit({"setting": "beside another process and the flow", "neighbour_calls": neighbour.calls} | row)
 
 
 if __name__ == "__main__":
