@@ -129,7 +129,7 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert stages["lm_tokens"] == level["clients"] * result["texts"]["short"]["speech_tokens"]
         # each stage's last progress lies inside the level, the LM's before the vocoder's last call
         last = level["stage_last_s"]
-        assert 0 < last["lm"] <= last["hift"] <= level["wall_s"] + 0.01
+        assert 0 < last["lm"] <= last["hift"] <= level["wall_s"] + 0.05
         assert level["gpu_peak_allocated_gb"] is None and level["gpu_allocator"] is None  # a CPU run
         assert stages["flow_cache_least_free"] == 0  # no page pool on a CPU
         # No CUDA graphs on a CPU: nothing runs eagerly for want of one, nothing is captured.

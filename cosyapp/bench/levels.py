@@ -94,8 +94,8 @@ async def measure(
         results = await driver.send(text.text, streaming, seeds, on_done)
     finally:
         wall = time.perf_counter() - start
+        await sampler.stop()  # first: its last poll dates what progressed since the one before
         used = resources.stop()
-        await sampler.stop()
         if timeline is not None:
             await asyncio.to_thread(timeline.finish)  # a window longer than the level ends here
     stages = {"stages": stage_times(before, engine_counters(pipeline), wall)}
