@@ -217,13 +217,20 @@ def main() -> None:
     flow_call()
     emit({"setting": "flow call alone", "ms": round(1000 * (time.perf_counter() - started), 1)})
     emit({"setting": "alone"} | hift_calls(hift, -1, traced=False))
+    def python_loop():
+        sum(i * i for i in range(20_000))  # pure Python: holds the interpreter lock, no device work
+
     settings = (
+        ("beside a thread running Python", python_loop, -1),
         ("beside the flow", flow_call, -1),
         ("beside the flow, the same priority", flow_call, 0),
         ("beside small kernels", small_kernels(), -1),
         ("beside large products", large_products(), -1),
     )
+    only = os.environ.get("HIFT_BESIDE_ONLY")
     for name, work, priority in settings:
+        if only and only not in name:
+            continue
         neighbour = Neighbour("flow", work)
         neighbour.start()
         neighbour.busy.wait()
