@@ -217,6 +217,7 @@ def main() -> None:
     flow_call()
     emit({"setting": "flow call alone", "ms": round(1000 * (time.perf_counter() - started), 1)})
     emit({"setting": "alone"} | hift_calls(hift, -1, traced=False))
+
     def python_loop():
         sum(i * i for i in range(20_000))  # pure Python: holds the interpreter lock, no device work
 
@@ -237,6 +238,8 @@ def main() -> None:
         row = hift_calls(hift, priority, traced=True)
         neighbour.stop()
         emit({"setting": name, "neighbour_calls": neighbour.calls} | row)
+    if only and "process" not in only:
+        return
     with other_process():
         emit({"setting": "beside another process"} | hift_calls(hift, -1, traced=True))
         neighbour = Neighbour("flow", flow_call)
