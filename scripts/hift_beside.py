@@ -21,7 +21,11 @@ then synchronised). Settings:
 - beside large matrix products (a few long kernels that fill the device);
 - beside another process that runs steps of small products in a loop, as vLLM's engine core does
   in its own process (the device then time-slices between the two processes' contexts), alone and
-  with the flow too.
+  with the flow too;
+- beside a thread running pure Python (no device work): every torch call lets go of the interpreter
+  lock and takes it back, which waits while another thread runs Python.
+HIFT_BESIDE_ONLY=TEXT runs only the settings whose name holds TEXT; HIFT_BESIDE_SWITCH_MS sets the
+interpreter's switch interval (sys.setswitchinterval; Python's default is 5 ms).
 Each setting's last call beside a neighbour is traced (bench/timeline.py): each thread's CUDA calls,
 the longest of each API, so a launch held by a full queue (a long cudaLaunchKernel) shows apart from
 one held elsewhere. Run it again with CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's default is 8 hardware
