@@ -71,14 +71,14 @@ def sync() -> None:
 class Neighbour(threading.Thread):
     """A thread that calls ``work`` on its own CUDA stream until stopped, counting the calls."""
 
-    def __init__(self, name: str, work, priority: int = 0):
+    def __init__(self, name: str, work):
         super().__init__(name=name, daemon=True)
-        self.work, self.priority = work, priority
+        self.work = work
         self.calls, self.busy = 0, threading.Event()
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        with torch.inference_mode(), stream(self.name, self.priority):
+        with torch.inference_mode(), stream(self.name, 0):
             while not self._stop_event.is_set():
                 self.work()
                 self.calls += 1
@@ -194,6 +194,18 @@ def hift_calls(hift, priority: int, traced: bool) -> dict:
     return row
 
 
+def beside(work, hift, priority: int) -> dict:
+    """HiFT's calls (hift_calls, the last traced) while a flow-stream thread runs ``work`` in a loop."""
+    neighbour = Neighbour("flow", work)
+    neighbour.start()
+    neighbour.busy.wait()
+    try:
+        row = hift_calls(hift, priority, traced=True)
+    finally:
+        neighbour.stop()
+    return {"neighbour_calls": neighbour.calls} | row
+
+
 @torch.inference_mode()
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "hift-beside.json"
@@ -238,22 +250,12 @@ def main() -> None:
     for name, work, priority in settings:
         if only and only not in name:
             continue
-        neighbour = Neighbour("flow", work)
-        neighbour.start()
-        neighbour.busy.wait()
-        row = hift_calls(hift, priority, traced=True)
-        neighbour.stop()
-        emit({"setting": name, "neighbour_calls": neighbour.calls} | row)
+        emit({"setting": name} | beside(work, hift, priority))
     if only and "process" not in only:
         return
     with other_process():
         emit({"setting": "beside another process"} | hift_calls(hift, -1, traced=True))
-        neighbour = Neighbour("flow", flow_call)
-        neighbour.start()
-        neighbour.busy.wait()
-        row = hift_calls(hift, -1, traced=True)
-        neighbour.stop()
-        emit({"setting": "beside another process and the flow", "neighbour_calls": neighbour.calls} | row)
+        emit({"setting": "beside another process and the flow"} | beside(flow_call, hift, -1))
 
 
 if __name__ == "__main__":
