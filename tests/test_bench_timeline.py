@@ -1,11 +1,13 @@
 """The benchmark's GPU timeline: a trace's device work summed up per stream and launching thread."""
 
 import threading
+import time
 
 import pytest
 
 from cosyapp.bench.__main__ import parse_args
-from cosyapp.bench.report import timeline_line
+from cosyapp.bench.gil import holders
+from cosyapp.bench.report import gil_line, timeline_line
 from cosyapp.bench.run import level_timeline
 from cosyapp.bench.timeline import Timeline, category, summarise, thread_names
 
@@ -75,17 +77,43 @@ def test_no_device_work():
     assert timeline_line({"kernels": 0, "window_s": None}) == "GPU timeline: no kernels in the window"
 
 
-def test_thread_names_cover_both_ids():
+def test_thread_names_cover_every_id():
     names = thread_names()
     me = threading.current_thread()
-    assert names[me.native_id] == me.name and names[me.ident] == me.name
+    low = me.ident & 0xFFFFFFFF
+    signed = low - (1 << 32) if low >= 1 << 31 else low
+    assert names[me.native_id] == names[me.ident] == names[low] == names[signed] == me.name
 
 
-def test_without_cuda_the_window_says_why():
-    timeline = Timeline(start_s=0.0, window_s=0.01)
-    timeline.start()
-    timeline.finish()
-    assert timeline.summary() == {"error": "no CUDA device: nothing to trace"}
+def _spin(stop: threading.Event) -> None:
+    """Python that never lets go of the interpreter lock of its own accord."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+
+
+def test_without_cuda_the_window_samples_the_lock():
+    """No trace without CUDA, but py-spy's samples of this process: a thread running pure Python
+    holds the lock most of the window, in its own function."""
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), name="spinner")
+    spinner.start()
+    try:
+        timeline = Timeline(start_s=0.0, window_s=1.5)
+        timeline.start()
+        time.sleep(2.0)
+        timeline.finish()
+    finally:
+        stop.set()
+        spinner.join()
+    got = timeline.summary()
+    assert got["error"] == "no CUDA device: nothing to trace"
+    gil = got["gil"]
+    assert gil["window_s"] >= 1.5 and gil["expected"] >= 300
+    held = gil["threads"]["spinner"]
+    assert held["share"] > 0.5 and held["share"] == max(t["share"] for t in gil["threads"].values())
+    assert next(iter(held["top"])) == "_spin (test_bench_timeline.py)"
+    assert "interpreter lock held" in timeline_line(got) and "spinner" in timeline_line(got)
 
 
 def test_a_level_that_ends_first():
@@ -93,7 +121,36 @@ def test_a_level_that_ends_first():
     timeline = Timeline(start_s=5.0, window_s=1.0)
     timeline.finish()
     timeline._record()
-    assert timeline.summary() == {"error": "the level ended before its window began"}
+    assert timeline.summary() == {
+        "error": "the level ended before its window began",
+        "gil": {"error": "not started"},
+    }
+
+
+def test_lock_holders_from_raw_samples():
+    raw = "\n".join([
+        "thread (101): token2wav;run (threading.py:1010);work (cached.py:119);past_and_new (inc.py:140) 30",
+        "thread (101): token2wav;run (threading.py:1010);work (cached.py:119);past_and_new (inc.py:141) 10",
+        "thread (101): token2wav;run (threading.py:1010);plan (flow_steps.py:57) 20",
+        "thread (7);select (selectors.py:415) 5",
+        "a line py-spy does not write",
+    ])  # fmt: skip
+    got = holders(raw, expected=100)
+    assert got == {
+        "samples": 65,
+        "expected": 100,
+        "held_share": 0.65,
+        "threads": {
+            "token2wav": {"share": 0.6, "top": {"past_and_new (inc.py)": 0.4, "plan (flow_steps.py)": 0.2}},
+            "thread 7": {"share": 0.05, "top": {"select (selectors.py)": 0.05}},
+        },
+    }  # fmt: skip
+    line = gil_line(got | {"window_s": 5.0})
+    assert line == (
+        "; interpreter lock held 65 % of 5.0 s: token2wav 60 % (past_and_new (inc.py)), "
+        "thread 7 5 % (select (selectors.py))"
+    )
+    assert gil_line({"error": "py-spy not found"}) == "; interpreter lock: py-spy not found"
 
 
 def test_options():

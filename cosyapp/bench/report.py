@@ -70,9 +70,10 @@ def _ms(seconds: float | None) -> str:
 
 def timeline_line(traced: dict) -> str:
     """A level's GPU timeline (timeline.py) in one line: the busy and overlapping shares of its
-    window, each stream's share with its main launching thread."""
+    window, each stream's share with its main launching thread, then the interpreter lock's holders."""
+    gil = gil_line(traced.get("gil"))
     if traced.get("error") or not traced.get("kernels"):
-        return f"GPU timeline: {traced.get('error') or 'no kernels in the window'}"
+        return f"GPU timeline: {traced.get('error') or 'no kernels in the window'}{gil}"
     streams = ", ".join(
         f"{next(iter(s['threads']), '?')} {100 * s['busy_share']:.0f} %" for s in traced["streams"].values()
     )
@@ -83,8 +84,22 @@ def timeline_line(traced: dict) -> str:
     return (
         f"GPU timeline {traced['window_s']:.1f} s: this process busy {100 * traced['busy_share']:.0f} %, "
         f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}; "
-        f"CUDA calls by thread: {host}"
+        f"CUDA calls by thread: {host}{gil}"
     )
+
+
+def gil_line(gil: dict | None) -> str:
+    """The interpreter lock's holders in a timeline's window (gil.py), as the line's last part: its
+    held share, then the three threads that held it most, each with the function it held it most in."""
+    if not gil:
+        return ""
+    if gil.get("error"):
+        return f"; interpreter lock: {gil['error']}"
+    threads = ", ".join(
+        f"{name} {100 * t['share']:.0f} % ({next(iter(t['top']), '?')})"
+        for name, t in list(gil["threads"].items())[:3]
+    )
+    return f"; interpreter lock held {100 * gil['held_share']:.0f} % of {gil['window_s']:.1f} s: {threads}"
 
 
 def _longest_api(calls: dict) -> str:

@@ -16,7 +16,9 @@ LM's decode steps share one GPU (vLLM's engine core runs in another process unle
 - the gaps in which this process ran nothing (the LM's share, or idle), by length;
 - per launching thread, its CUDA runtime calls (``host_calls``): how long they took in all and at
   most, by API. A launch waits when the device's launch queue is full, and a synchronising call for
-  the device's work, so a thread whose launches take long was held by the GPU, not by its Python.
+  the device's work, so a thread whose launches take long was held by the GPU, not by its Python;
+- which threads held the interpreter lock, and in which functions (``gil``: gil.py), so a thread
+  held neither by the device nor by its CUDA calls shows whom it waited for.
 
 Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is read and summed up
 after the level, so only the recording's own cost (CUPTI's activity records, the device sync at the
@@ -31,6 +33,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+from cosyapp.bench.gil import GilSampler
 from cosyapp.engine.token2wav.turns import TURNS
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,8 @@ class Timeline:
     """One window of a level: ``start`` as the level begins, ``finish`` once it has ended (it ends the
     window if the level was shorter), then ``summary``. The profiler runs on a thread of its own, so
     neither its start nor its stop (which waits for the device) holds the event loop; the trace is
-    read only in ``summary``, after the level. On a machine without CUDA it records nothing and says
-    so."""
+    read only in ``summary``, after the level. In the same window py-spy samples which thread holds
+    the interpreter lock (gil.py), with or without CUDA; without, there is no trace and it says so."""
 
     def __init__(self, start_s: float = 3.0, window_s: float = 3.0):
         self.start_s, self.window_s = start_s, window_s
@@ -76,13 +79,15 @@ class Timeline:
         self._names: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._cuda = False
+        self.gil = GilSampler()
 
     def start(self) -> None:
         import torch
 
-        if not torch.cuda.is_available():
+        self._cuda = torch.cuda.is_available()
+        if not self._cuda:
             self._error = "no CUDA device: nothing to trace"
-            return
         self._thread = threading.Thread(target=self._record, name="bench-timeline", daemon=True)
         self._thread.start()
 
@@ -93,10 +98,20 @@ class Timeline:
             self._thread.join()
 
     def _record(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
         if self._stop.wait(self.start_s):
             return  # the level ended first
+        self.gil.start()
+        try:
+            if self._cuda:
+                self._trace()
+            else:
+                self._stop.wait(self.window_s)
+        finally:
+            self.gil.finish()
+
+    def _trace(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
         try:
             prof = profile(activities=[ProfilerActivity.CUDA])
             # Both ends in a capture's turn (turns.py): the stop synchronises the device, which a
@@ -113,7 +128,11 @@ class Timeline:
             self._error = f"{type(error).__name__}: {error}"
 
     def summary(self) -> dict:
-        """The window summed up (``summarise``), or why there is none."""
+        """The window summed up (``summarise``), or why there is none, with the interpreter lock's
+        holders in it (``gil``, gil.py)."""
+        return self._trace_summary() | {"gil": self.gil.summary()}
+
+    def _trace_summary(self) -> dict:
         if self._prof is None:
             return {"error": self._error or "the level ended before its window began"}
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
@@ -131,14 +150,17 @@ class Timeline:
 
 
 def thread_names() -> dict[int, str]:
-    """This process's Python threads by both ids a trace may give a launching thread: the OS thread id
-    and the pthread handle."""
+    """This process's Python threads by every id a trace may give a launching thread: the OS thread id,
+    the pthread handle, and the handle's low 32 bits read unsigned and signed (an H100 trace gave
+    those, so its threads went unnamed)."""
     names = {}
     for thread in threading.enumerate():
         if thread.native_id is not None:
             names[thread.native_id] = thread.name
         if thread.ident is not None:
-            names[thread.ident] = thread.name
+            low = thread.ident & 0xFFFFFFFF
+            for key in (thread.ident, low, low - (1 << 32) if low >= 1 << 31 else low):
+                names[key] = thread.name
     return names
 
 
