@@ -73,8 +73,9 @@ class ServeOptions:
         first chunks) can wait up to one interval per call while another thread runs Python (the
         event loop handing out tokens); on an H100, five such HiFT calls beside a thread running
         pure Python did not end in 75 s, against 13-15 ms each alone (docs/benchmarks/README.md,
-        ninth round). A shorter interval bounds those waits (engine/token2wav/worker.py); a
-        benchmark variant field until measured in the engine.
+        ninth round). A shorter interval bounds those waits (engine/token2wav/worker.py). In the
+        engine 0.5 ms left the first chunk's HiFT launch at 64 streams as it was (528 ms against
+        332-542; tenth round), so it stays off: a benchmark variant field.
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     step_frames_per_row: a token2wav step's flow calls stay within max_batch x this many padded frames
