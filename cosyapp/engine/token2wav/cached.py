@@ -5,14 +5,11 @@ A streaming stream takes the incremental path from its first chunk when the pool
 pages; it keeps them until its final chunk or until it ends otherwise, and a stream the pool cannot
 serve at some chunk gives its pages back and finishes on the recompute path, which computes the same
 frames. Whole clips (full attention over the whole sentence) always take the recompute path. Only
-the worker's flow thread uses this object, besides the thread that captures missed graph buckets.
+the worker's flow thread uses this object, besides the thread that captures missed graph buckets
+(capturing.py).
 """
 
-import contextlib
 import logging
-import threading
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -27,7 +24,6 @@ VOICE_SHARE = 4  # at most 1/4 of the pool holds voices' prompt pages
 # default; the rest is for flow and HiFT activations and the CUDA graphs (measured on an H200 with
 # vLLM at 0.3: a 70 GB pool beside 64 streams).
 FLOW_CACHE_SHARE = 0.7
-CAPTURE_POLL_S = 0.02  # how often the capture thread looks for missed graph buckets
 
 
 class CachedFlow:
@@ -59,8 +55,6 @@ class CachedFlow:
         self.holders: set[Stream] = set()
         self.fallbacks = 0  # streams and chunk calls the pool could not serve
         self.frames = 0  # mel frames handed to jobs
-        self._capturer: threading.Thread | None = None
-        self._capturing = False
         kept = "attention inputs" if inputs else "keys and values"
         logger.info("incremental streaming flow: %d pages of %d frames (%s)", pages, self.pool.page, kept)
 
@@ -82,11 +76,6 @@ class CachedFlow:
             size = int(FLOW_CACHE_SHARE * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
         return cls(model, size, dtype, graphs, chunked_final, inputs) if size else None
 
-    @property
-    def missed_graphs(self) -> int:
-        """Graph buckets the calls met and the capture thread has not captured yet."""
-        return self.flow.graphs.missed if self.flow.graphs is not None else 0
-
     def counters(self) -> dict:
         """The pool's and the graphs' counters as Token2WavStats fields."""
         pool = {
@@ -106,33 +95,10 @@ class CachedFlow:
             "graph_capture_seconds": graphs.capture_seconds,
         }
 
-    def start_captures(self, cuda_stream: Callable[[], contextlib.AbstractContextManager]) -> None:
-        """Capture the graph buckets the calls miss on a thread of their own (under
-        ``cuda_stream()``), so a capture never holds the flow thread; idempotent."""
-        if self.flow.graphs is None or self._capturer is not None:
-            return
-        self._capturing = True
-
-        def work() -> None:
-            with torch.inference_mode(), cuda_stream():
-                while self._capturing:
-                    if not self.flow.graphs.capture_missed():
-                        time.sleep(CAPTURE_POLL_S)
-
-        self._capturer = threading.Thread(target=work, name="token2wav-capture", daemon=True)
-        self._capturer.start()
-
-    def stop_captures(self) -> None:
-        """Stop the capture thread after the capture it is in; idempotent."""
-        self._capturing = False
-        if self._capturer is not None:
-            self._capturer.join()
-            self._capturer = None
-
     def free(self) -> None:
-        """Stop the captures and give the pool's and the graphs' GPU memory back now, whatever still
-        refers to this object (a worker swapped for another in one process: the bench's variants)."""
-        self.stop_captures()
+        """Give the pool's and the graphs' GPU memory back now, whatever still refers to this object (a
+        worker swapped for another in one process: the bench's variants); the worker has stopped its
+        capture thread first."""
         if self.flow.graphs is not None:
             self.flow.graphs.free()
         self.pool.free()

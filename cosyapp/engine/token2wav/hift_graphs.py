@@ -15,9 +15,17 @@ second time it is met (three runs and the capture, well under a second; a captur
 the device): the first chunk's and the hops' shapes recur with every stream, while a last chunk's
 length is mostly its own. At most ``max_graphs`` shapes are held; calls of other shapes run eagerly,
 as do all calls off CUDA.
+
+With ``defer`` (as the worker runs it) that call does not capture: it keeps a copy of its inputs and
+runs eagerly, and the worker's capture thread captures the shape (``capture_missed``,
+capturing.py), the calls meanwhile eager. A capture synchronises the device as it begins, so on the
+HiFT thread under load it held that call for the GPU's whole queue: on an H100 at 64 streams the
+HiFT thread's longest CUDA calls were a capture's (a 346 ms allocation, a 122 ms device sync) in a
+level whose first chunks' HiFT took 646 ms to launch (docs/benchmarks/README.md, tenth round).
 """
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -66,15 +74,21 @@ class HiFTRunner:
         max_graphs: int = MAX_GRAPHS,
         max_cells: int = MAX_CELLS,
         capture: bool = True,
+        defer: bool = False,
     ):
         self.hift = hift
         self.graphs = graphs
         self.max_cells = max_cells
         self.capture = capture
+        self.defer = defer
         self.max_graphs = max_graphs
         self._graphs: GraphTable[_Graph] = GraphTable()
         self._eager: set[tuple] = set()  # shapes whose capture failed
         self._met: Counter[tuple] = Counter()  # calls per shape not captured yet
+        # Shapes due to be captured by the capture thread (defer): copies of a call's inputs, and the
+        # event their copy ends at (None off CUDA).
+        self._missed: dict[tuple, tuple[Tensor, Tensor | None, torch.cuda.Event | None]] = {}
+        self._lock = threading.Lock()  # the HiFT thread adds to _missed, the capture thread takes
         self._pool = None
         self.captures = 0
         self.capture_seconds = 0.0
@@ -86,7 +100,9 @@ class HiFTRunner:
         key = self._key(mel, cache)
         graph = None if key is None else self._graphs.lookup(key)
         due = key is not None and key not in self._eager and self._due(key, graph)
-        if due and self._capture(key, mel, cache):  # then found by a lookup (GraphTable)
+        if due and self.defer:  # a stale graph serves until the capture thread has captured anew
+            self._miss(key, mel, cache)
+        elif due and self._capture(key, mel, cache):  # then found by a lookup (GraphTable)
             graph = self._graphs.lookup(key)
         if graph is None:
             return self.hift(mel, cache, generators=generators)
@@ -111,12 +127,46 @@ class HiFTRunner:
         none and this is its CAPTURE_AT-th call (while fewer than max_graphs are held)."""
         if graph is not None:
             return graph.stale
-        if len(self._graphs) >= self.max_graphs:
+        if len(self._graphs) + len(self._missed) >= self.max_graphs:
             return False
         self._met[key] += 1
         if self._met[key] < CAPTURE_AT:
             return False
         del self._met[key]
+        return True
+
+    @property
+    def missed(self) -> int:
+        """Shapes waiting for ``capture_missed`` (the one being captured included)."""
+        return len(self._missed)
+
+    def _miss(self, key: tuple, mel: Tensor, cache: Tensor | None) -> None:
+        """Keep a copy of the call's inputs for the capture thread, unless ``key`` has one waiting."""
+        with self._lock:
+            if key in self._missed:
+                return
+            kept = mel.clone(), None if cache is None else cache.clone()
+            copied = None
+            if mel.is_cuda:
+                copied = torch.cuda.Event()
+                copied.record()
+            self._missed[key] = (*kept, copied)
+        log.info("HiFT shape %s to capture: its calls run eagerly meanwhile", key[:4])
+
+    def capture_missed(self) -> bool:
+        """Capture one shape a call missed (``defer``); False when none waits. The worker's capture
+        thread calls it, on a CUDA stream of its own; the shape counts as missed until it ends."""
+        with self._lock:
+            if not self._missed:
+                return False
+            key, (mel, cache, copied) = next(iter(self._missed.items()))
+        try:
+            if copied is not None:
+                torch.cuda.current_stream(mel.device).wait_event(copied)
+            self._capture(key, mel, cache)  # a failure leaves the shape eager (it logs why)
+        finally:
+            with self._lock:
+                del self._missed[key]
         return True
 
     def _key(self, mel: Tensor, cache: Tensor | None) -> tuple | None:

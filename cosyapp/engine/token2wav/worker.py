@@ -33,6 +33,7 @@ import torch
 from cosyapp.engine.cuda_streams import role_stream
 from cosyapp.engine.lm.gate import process_gate
 from cosyapp.engine.token2wav.cached import CachedFlow
+from cosyapp.engine.token2wav.capturing import CaptureThread
 from cosyapp.engine.token2wav.chunking import MEL_CACHE_FRAMES, ChunkSchedule
 from cosyapp.engine.token2wav.compiling import COMPILER
 from cosyapp.engine.token2wav.flow_steps import FlowSteps
@@ -121,7 +122,10 @@ class Token2Wav:
         self._handoff: queue.Queue[tuple[list[Job], Hold | None] | None] = queue.Queue(HANDOFF_STEPS)
         self.lm_yield = LmYield(process_gate(), lm_yield_ms / 1000) if lm_yield_ms > 0 else None
         self._stopped = False
-        self.vocoding = Vocoding(HiFTRunner(model.hift, hift_graphs), self._stats, model.sample_rate)
+        # HiFT's shapes captured by the capture thread (capturing.py), as the flow's buckets are
+        hift_runner = HiFTRunner(model.hift, hift_graphs, defer=True)
+        self.vocoding = Vocoding(hift_runner, self._stats, model.sample_rate)
+        self._captures: CaptureThread | None = None
         dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
         flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
         self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
@@ -149,8 +153,11 @@ class Token2Wav:
                 sys.setswitchinterval(self.switch_interval_s)
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
-            if self.cached is not None:
-                self.cached.start_captures(lambda: self._own_cuda_stream("flow-captures"))
+            sources = [self.vocoding.hift_runner] if self.vocoding.hift_runner.graphs else []
+            if self.cached is not None and self.cached.flow.graphs is not None:
+                sources.append(self.cached.flow.graphs)
+            self._captures = CaptureThread(sources, lambda: self._own_cuda_stream("flow-captures"))
+            self._captures.start()
             if self.overlap_hift:
                 self._vocoder = threading.Thread(target=self._vocode_work, name="token2wav-hift", daemon=True)
                 self._vocoder.start()
@@ -167,8 +174,8 @@ class Token2Wav:
             left = self._queue.close()
             self._thread.join()  # its last step is handed over before it ends
             self._thread = None
-            if self.cached is not None:
-                self.cached.stop_captures()
+            if self._captures is not None:
+                self._captures.stop()
             if self._vocoder is not None:
                 self._handoff.put(None)
                 self._vocoder.join()
@@ -181,11 +188,12 @@ class Token2Wav:
 
     @property
     def pending_captures(self) -> int:
-        """Incremental-flow graph buckets met and not yet captured (incremental_graphs.py)."""
-        return self.cached.missed_graphs if self.cached is not None else 0
+        """Incremental-flow graph buckets and HiFT shapes met and not yet captured (capturing.py)."""
+        return self._captures.pending if self._captures is not None else 0
 
     async def graphs_settled(self) -> None:
-        """Return once every incremental-flow graph bucket met so far is captured (warm-ups wait)."""
+        """Return once every incremental-flow graph bucket and HiFT shape met so far is captured
+        (warm-ups wait)."""
         while self.pending_captures:
             await asyncio.sleep(0.01)
 
