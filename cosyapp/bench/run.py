@@ -191,7 +191,7 @@ async def _measure_variant(
         with decoding_ratio(pipeline.model, texts[0].ratio):
             await pipeline.warm_up_token2wav()
             stall.progress()
-            await measure(driver, texts[0], True, min(max(args.clients), args.max_batch), None)
+            await measure(driver, texts[0], True, warm_clients(args), None)
             await pipeline.token2wav.graphs_settled()
             stall.progress()
             waited = {}
@@ -211,6 +211,17 @@ async def _measure_variant(
             progress.write(row(levels[-1]))
     await driver.close()
     return levels
+
+
+def warm_clients(args: argparse.Namespace) -> int:
+    """The streams of the warm-up level before the levels: the most any level sends. Streams at
+    different stages share a step there, which makes incremental-flow buckets (rows, new frames, past
+    pages) that fewer streams in lockstep never meet; each new bucket runs eagerly and is captured
+    beside the serving (3 eager runs). A warm-up of max_batch streams left 2-4 such buckets to every
+    256-stream level on an H100, whose captures took 6.2-14.9 s of a 17.6-23.4 s level where the
+    flow was the limit, and the level's audio per second fell as they grew: 150.9 at 6.2 s, 113.8-125.4
+    at 10.6-14.9 s (docs/benchmarks/README.md, tenth round)."""
+    return max(args.clients)
 
 
 def level_timeline(args: argparse.Namespace, mode: str, clients: int) -> Timeline | None:
@@ -259,11 +270,12 @@ async def _compiled(pipeline: Pipeline, warm_up: bool) -> None:
 async def _warm_up(
     drivers: list[Driver], text: TextSet, args: argparse.Namespace, local: Pipeline | None
 ) -> None:
-    """Not measured: a streaming level of the local engines at the largest batch they will run, then one
-    request of each HTTP driver and mode (first calls pay for connections, ffmpeg, queue set-up)."""
+    """Not measured: a streaming level of the local engines at the largest concurrency (warm_clients),
+    then one request of each HTTP driver and mode (first calls pay for connections, ffmpeg, queue
+    set-up)."""
     if local is not None:
         warm = PipelineDriver(local, bench_voice(local.text))
-        await measure(warm, text, True, min(max(args.clients), args.max_batch), None)
+        await measure(warm, text, True, warm_clients(args), None)
         await local.token2wav.graphs_settled()  # captures of buckets this voice met: not in a level
         await local.token2wav.compiles_settled()  # --compile-flow: what it met compiled, not in a level
     for driver in drivers:
