@@ -67,15 +67,6 @@ class ServeOptions:
     fill_ms: how long a token2wav step that holds no urgent job (a first chunk, a whole clip, a
         stream about to run dry) waits for more, so that the flow runs fuller steps and leaves the
         LM more of the GPU (engine/token2wav/scheduler.py); 0 = never (at most 500).
-    switch_interval_ms: while the token2wav worker runs, the interpreter's thread switch interval
-        (sys.setswitchinterval; 0 = Python's 5 ms, else 0.1 to 50). Every torch call lets go of the
-        interpreter lock and takes it back, so a thread launching many kernels (HiFT's 1,331 at 64
-        first chunks) can wait up to one interval per call while another thread runs Python (the
-        event loop handing out tokens); on an H100, five such HiFT calls beside a thread running
-        pure Python did not end in 75 s, against 13-15 ms each alone (docs/benchmarks/README.md,
-        ninth round). A shorter interval bounds those waits (engine/token2wav/worker.py). In the
-        engine 0.5 ms left the first chunk's HiFT launch at 64 streams as it was (528 ms against
-        332-542; tenth round), so it stays off: a benchmark variant field.
     overlap_hift: on a GPU, run HiFT on its own thread and CUDA stream beside the next flow step
         (engine/token2wav/worker.py); False runs the two stages in turn on one thread.
     step_frames_per_row: a token2wav step's flow calls stay within max_batch x this many padded frames
@@ -143,7 +134,6 @@ class ServeOptions:
     gather_ms: float = 2.0
     expect_ms: float = 20.0
     fill_ms: float = 0.0
-    switch_interval_ms: float = 0.0
     text_lanes: int = 0
     overlap_hift: bool = True
     step_frames_per_row: int = 250
@@ -180,11 +170,6 @@ class ServeOptions:
             ("gather_ms", 0 <= self.gather_ms <= 20, "must be between 0 and 20"),
             ("expect_ms", 0 <= self.expect_ms <= 50, "must be between 0 and 50"),
             ("fill_ms", 0 <= self.fill_ms <= 500, "must be between 0 and 500"),
-            (
-                "switch_interval_ms",
-                self.switch_interval_ms == 0 or 0.1 <= self.switch_interval_ms <= 50,
-                "must be 0 (Python's own) or between 0.1 and 50",
-            ),
             ("lm_yield_ms", 0 <= self.lm_yield_ms <= 1000, "must be between 0 and 1000"),
             ("step_frames_per_row", 50 <= self.step_frames_per_row <= 4000, "must be between 50 and 4000"),
             (

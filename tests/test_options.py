@@ -80,7 +80,6 @@ def test_the_benchmark_defaults_are_the_options_defaults():
         ("cosyapp.engine.token2wav.worker:Token2Wav", "stream_priority", "token2wav_priority"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "expect_ms", "expect_ms"),
         ("cosyapp.engine.token2wav.worker:Token2Wav", "fill_ms", "fill_ms"),
-        ("cosyapp.engine.token2wav.worker:Token2Wav", "switch_interval_ms", "switch_interval_ms"),
         ("cosyapp.engine.pipeline:Pipeline", "max_streams", "max_streams"),
         ("cosyapp.engine.pipeline:Pipeline", "max_waiting", "max_waiting"),
         ("cosyapp.engine.pipeline:Pipeline", "text_lanes", "text_lanes"),
@@ -111,8 +110,6 @@ def test_engine_constructors_default_to_the_options(constructor, parameter, opti
         ({"token2wav_priority": 1}, "token2wav_priority must be 0 or -1"),
         ({"expect_ms": 60}, "expect_ms must be between 0 and 50"),
         ({"fill_ms": 501}, "fill_ms must be between 0 and 500"),
-        ({"switch_interval_ms": 0.05}, "switch_interval_ms must be 0"),
-        ({"switch_interval_ms": 51}, "switch_interval_ms must be 0"),
         ({"text_lanes": -1}, "text_lanes must be between 0"),
     ],
 )
@@ -146,25 +143,6 @@ def test_the_step_size_and_the_fill_reach_the_worker_s_queue(tiny_model):
     assert worker._queue.whole_step_frames == 4000
     assert worker._queue.fill_s == 0.15
     assert build_token2wav(tiny_model, DEFAULTS).step_frames == DEFAULTS.max_batch * 250
-
-
-def test_the_switch_interval_holds_while_the_worker_runs(tiny_model):
-    import sys
-
-    from cosyapp.engine.build import build_token2wav
-
-    before = sys.getswitchinterval()
-    worker = build_token2wav(tiny_model, ServeOptions(switch_interval_ms=0.5))
-    worker.start()
-    try:
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        worker.stop()
-    assert sys.getswitchinterval() == before
-    untouched = build_token2wav(tiny_model, DEFAULTS)
-    untouched.start()
-    assert sys.getswitchinterval() == before
-    untouched.stop()
 
 
 def test_what_only_a_gpu_gains_from_is_on_there_and_off_on_a_cpu():

@@ -46,7 +46,6 @@ VARIANT_FIELDS = (
     "gather_ms",
     "expect_ms",
     "fill_ms",
-    "switch_interval_ms",
     "overlap_hift",
     "flow_overlap",
     "max_batch",

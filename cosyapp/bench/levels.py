@@ -118,7 +118,6 @@ def _worker(pipeline: Pipeline) -> dict:
             "gather_ms": 1000 * t2w.gather_s,
             "expect_ms": 1000 * t2w.expect_s,
             "fill_ms": 1000 * t2w.fill_s,
-            "switch_interval_ms": 1000 * t2w.switch_interval_s,
             "flow_cache": t2w.cached is not None,
             "flow_cache_pages": t2w.cached.pool.pages if t2w.cached is not None else 0,
             "flow_cache_inputs": t2w.cached is not None and t2w.cached.pool.inputs,

@@ -180,7 +180,6 @@ def token2wav_settings(device: torch.device, options: ServeOptions) -> dict:
         gather_ms=options.gather_ms,
         expect_ms=options.expect_ms,
         fill_ms=options.fill_ms,
-        switch_interval_ms=options.switch_interval_ms,
         step_frames=options.max_batch * options.step_frames_per_row,
         whole_step_frames=options.max_batch * options.whole_step_frames_per_row,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores

@@ -60,6 +60,7 @@ class CaptureThread:
     def _work(self) -> None:
         with torch.inference_mode(), self.cuda_stream():
             while self._running:
-                # every source's waiting calls in turn, so a busy one does not starve the others
-                if not [source for source in self.sources if source.capture_missed()]:
+                # one capture from every source in turn, so a busy one does not starve the others
+                captured = [source.capture_missed() for source in self.sources]
+                if not any(captured):
                     time.sleep(POLL_S)

@@ -21,7 +21,6 @@ import functools
 import logging
 import math
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -92,7 +91,6 @@ class Token2Wav:
         step_frames: int | None = None,
         whole_step_frames: int | None = None,
         fill_ms: float = DEFAULTS.fill_ms,
-        switch_interval_ms: float = DEFAULTS.switch_interval_ms,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
         hift_first: bool = False,
@@ -110,8 +108,6 @@ class Token2Wav:
         self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
         self.whole_step_frames = whole_step_frames  # None: the queue keeps to step_frames
         self.gather_s, self.expect_s, self.fill_s = gather_ms / 1000, expect_ms / 1000, fill_ms / 1000
-        self.switch_interval_s = switch_interval_ms / 1000
-        self._switch_before: float | None = None  # the interval start() replaced, until stop()
         self._stats = Token2WavStats()
         self.flow = FlowSteps(model, autocast_dtype, self._stats, flow_overlap, stream_priority)
         self._queue = self._new_queue()
@@ -148,9 +144,6 @@ class Token2Wav:
             if self._stopped:  # started again after stop(), which closed the queue
                 self._queue = self._new_queue()
             self._stopped = False
-            if self.switch_interval_s > 0:  # process-wide: restored by stop()
-                self._switch_before = sys.getswitchinterval()
-                sys.setswitchinterval(self.switch_interval_s)
             self._thread = threading.Thread(target=self._work, name="token2wav", daemon=True)
             self._thread.start()
             sources = [self.vocoding.hift_runner] if self.vocoding.hift_runner.graphs else []
@@ -180,9 +173,6 @@ class Token2Wav:
                 self._handoff.put(None)
                 self._vocoder.join()
                 self._vocoder = None
-            if self._switch_before is not None:
-                sys.setswitchinterval(self._switch_before)
-                self._switch_before = None
             for job in left:
                 job.resolve(error=RuntimeError("the token2wav worker was stopped"))
 
