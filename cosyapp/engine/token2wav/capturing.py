@@ -6,19 +6,79 @@ under load that is a second or more, in which the thread that met the call would
 So a source (the incremental flow's buckets, incremental_graphs.py; HiFT's shapes, hift_graphs.py)
 keeps a copy of a missed call's inputs, its calls run eagerly meanwhile, and this thread captures
 what each source has waiting, one capture at a time. A source has ``missed`` (how many wait, the
-one being captured included) and ``capture_missed()`` (capture one; False when none waits).
+one being captured included) and ``capture_missed()`` (capture one; False when none waits); both
+sources keep their missed calls in a ``MissedCalls``.
 """
 
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 StreamScope = Callable[[], contextlib.AbstractContextManager]
 POLL_S = 0.02  # how often the thread looks for missed calls while none waits
+
+
+Inputs = TypeVar("Inputs")
+
+
+class MissedCalls(Generic[Inputs]):
+    """The calls a serving thread met without a graph, for the capture thread: per key (a graph's
+    shape) a copy of one call's inputs and the CUDA event its copy ends at; and the keys whose
+    capture failed, which run eagerly for good and are kept no more. Thread-safe: the serving
+    thread keeps, the capture thread takes."""
+
+    def __init__(self):
+        self._kept: dict[Hashable, tuple[Inputs, torch.cuda.Event | None, torch.device]] = {}
+        self.failed: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Keys waiting, the one being captured included."""
+        return len(self._kept)
+
+    def keep(self, key: Hashable, copy: Callable[[], Inputs], device: torch.device) -> bool:
+        """Keep ``copy()`` (a copy of the call's inputs, made on the current CUDA stream) under ``key``
+        unless the key has one waiting or has failed; True when this call kept it."""
+        with self._lock:
+            if key in self._kept or key in self.failed:
+                return False
+            inputs = copy()
+            copied = None
+            if device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            self._kept[key] = (inputs, copied, device)
+            return True
+
+    def fail(self, key: Hashable) -> None:
+        with self._lock:
+            self.failed.add(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    @contextlib.contextmanager
+    def oldest(self) -> Iterator[tuple[Hashable, Inputs] | None]:
+        """The key kept longest and its inputs, with the current CUDA stream made to wait for their
+        copy; None when none waits. The key stays waiting until the block ends, however it ends
+        (warm-ups wait until none does)."""
+        with self._lock:
+            if not self._kept:
+                yield None
+                return
+            key, (inputs, copied, device) = next(iter(self._kept.items()))
+        try:
+            if copied is not None:
+                torch.cuda.current_stream(device).wait_event(copied)
+            yield key, inputs
+        finally:
+            with self._lock:
+                self._kept.pop(key, None)
 
 
 class Source(Protocol):

@@ -25,7 +25,6 @@ level whose first chunks' HiFT took 646 ms to launch (docs/benchmarks/README.md,
 """
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cosyapp.engine.token2wav.capturing import MissedCalls
 from cosyapp.engine.token2wav.compiling import noting_eager_kinds
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.graphs import bucket
@@ -83,12 +83,9 @@ class HiFTRunner:
         self.defer = defer
         self.max_graphs = max_graphs
         self._graphs: GraphTable[_Graph] = GraphTable()
-        self._eager: set[tuple] = set()  # shapes whose capture failed
         self._met: Counter[tuple] = Counter()  # calls per shape not captured yet
-        # Shapes due to be captured by the capture thread (defer): copies of a call's inputs, and the
-        # event their copy ends at (None off CUDA).
-        self._missed: dict[tuple, tuple[Tensor, Tensor | None, torch.cuda.Event | None]] = {}
-        self._lock = threading.Lock()  # the HiFT thread adds to _missed, the capture thread takes
+        # Shapes due to be captured by the capture thread (defer), and those whose capture failed.
+        self._missed: MissedCalls[tuple[Tensor, Tensor | None]] = MissedCalls()
         self._pool = None
         self.captures = 0
         self.capture_seconds = 0.0
@@ -99,7 +96,7 @@ class HiFTRunner:
     ) -> tuple[Tensor, Tensor]:
         key = self._key(mel, cache)
         graph = None if key is None else self._graphs.lookup(key)
-        due = key is not None and key not in self._eager and self._due(key, graph)
+        due = key is not None and key not in self._missed.failed and self._due(key, graph)
         if due and self.defer:  # a stale graph serves until the capture thread has captured anew
             self._miss(key, mel, cache)
         elif due and self._capture(key, mel, cache):  # then found by a lookup (GraphTable)
@@ -142,31 +139,21 @@ class HiFTRunner:
 
     def _miss(self, key: tuple, mel: Tensor, cache: Tensor | None) -> None:
         """Keep a copy of the call's inputs for the capture thread, unless ``key`` has one waiting."""
-        with self._lock:
-            if key in self._missed:
-                return
-            kept = mel.clone(), None if cache is None else cache.clone()
-            copied = None
-            if mel.is_cuda:
-                copied = torch.cuda.Event()
-                copied.record()
-            self._missed[key] = (*kept, copied)
-        log.info("HiFT shape %s to capture: its calls run eagerly meanwhile", key[:4])
+
+        def copy() -> tuple[Tensor, Tensor | None]:
+            return mel.clone(), None if cache is None else cache.clone()
+
+        if self._missed.keep(key, copy, mel.device):
+            log.info("HiFT shape %s to capture: its calls run eagerly meanwhile", key[:4])
 
     def capture_missed(self) -> bool:
         """Capture one shape a call missed (``defer``); False when none waits. The worker's capture
         thread calls it, on a CUDA stream of its own; the shape counts as missed until it ends."""
-        with self._lock:
-            if not self._missed:
+        with self._missed.oldest() as missed:
+            if missed is None:
                 return False
-            key, (mel, cache, copied) = next(iter(self._missed.items()))
-        try:
-            if copied is not None:
-                torch.cuda.current_stream(mel.device).wait_event(copied)
+            key, (mel, cache) = missed
             self._capture(key, mel, cache)  # a failure leaves the shape eager (it logs why)
-        finally:
-            with self._lock:
-                del self._missed[key]
         return True
 
     def _key(self, mel: Tensor, cache: Tensor | None) -> tuple | None:
@@ -207,7 +194,7 @@ class HiFTRunner:
                     torch.cuda.current_stream(dev).synchronize()
         except Exception:  # out of memory, an uncapturable kernel: this shape runs eagerly
             log.exception("capturing HiFT's graph for %s failed; it runs eagerly", key[:4])
-            self._eager.add(key)
+            self._missed.fail(key)
             return False
         finally:
             self.capture_seconds += time.perf_counter() - started

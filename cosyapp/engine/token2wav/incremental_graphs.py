@@ -3,7 +3,6 @@ captured on a thread of their own (cached.py) while the calls of a bucket not ca
 eagerly; see incremental.py for the call itself."""
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from cosyapp.engine.token2wav.capturing import MissedCalls
 from cosyapp.engine.token2wav.compiling import noting_eager_kinds
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
 from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
@@ -47,10 +47,7 @@ class IncrementalGraphs:
         self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
         self.defer = defer
         self._graphs: GraphTable[_Graph] = GraphTable()
-        # Buckets met but not captured: a copy of a call's inputs, and the event its copy ends at.
-        self._missed: dict[tuple, tuple[CallInputs, torch.cuda.Event]] = {}
-        self._lock = threading.Lock()  # the flow thread adds to _missed, the capture thread takes
-        self._eager: set[tuple] = set()  # buckets whose capture failed
+        self._missed: MissedCalls[CallInputs] = MissedCalls()  # buckets met but not captured
         self._pool = None
         self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
         self.captures = 0  # deferred captures done (or failed)
@@ -72,7 +69,7 @@ class IncrementalGraphs:
             autocast_dtype(inputs.x.device),
         )
         graph = self._graphs.lookup(key)
-        if graph is None and (self.defer or key in self._eager):
+        if graph is None and (self.defer or key in self._missed.failed):
             self._miss(key, inputs)
             self.eager_calls += 1
             return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
@@ -87,48 +84,40 @@ class IncrementalGraphs:
 
     def _miss(self, key: tuple, inputs: CallInputs) -> None:
         """Keep a copy of ``inputs`` for the capture thread to capture ``key`` with, unless it has one."""
-        with self._lock:
-            if key not in self._missed and key not in self._eager:
-                log.info(
-                    "incremental flow bucket %s to capture: its calls replay or run eagerly meanwhile",
-                    key[:4],
-                )
-                kept = inputs.empty_like()
-                kept.copy_(inputs)
-                copied = torch.cuda.Event()
-                copied.record()
-                self._missed[key] = (kept, copied)
+
+        def copy() -> CallInputs:
+            kept = inputs.empty_like()
+            kept.copy_(inputs)
+            return kept
+
+        if self._missed.keep(key, copy, inputs.x.device):
+            log.info("incremental flow bucket %s to capture: its calls run eagerly meanwhile", key[:4])
 
     def free(self) -> None:
         """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
-        with self._lock:
-            self._graphs.clear()
-            self._missed.clear()
+        self._graphs.clear()
+        self._missed.clear()
 
     def capture_missed(self) -> bool:
         """Capture one bucket a call met since (under the autocast it ran with); False when none was
         waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the
         calls. The bucket counts as missed until its capture has ended."""
-        with self._lock:
-            if not self._missed:
+        with self._missed.oldest() as missed:
+            if missed is None:
                 return False
-            key, (like, copied) = next(iter(self._missed.items()))
-        dtype = key[-1]
-        started = time.perf_counter()
-        try:  # whatever fails, the bucket leaves _missed: warm-ups wait for it to (graphs_settled)
-            torch.cuda.current_stream(like.x.device).wait_event(copied)
-            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                self._capture(key, like)
-        except Exception:  # out of memory, or any other failure: the worker serves on
-            # Its calls stay eager, or replay the graph captured before a compile (not again).
-            log.exception("capturing the incremental flow's graph for %s failed; no more tries", key[:4])
-            with self._lock:
-                self._eager.add(key)
-        finally:
-            with self._lock:
-                del self._missed[key]
-            self.captures += 1
-            self.capture_seconds += time.perf_counter() - started
+            key, like = missed
+            dtype = key[-1]
+            started = time.perf_counter()
+            try:
+                with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                    self._capture(key, like)
+            except Exception:  # out of memory, or any other failure: the worker serves on
+                # Its calls stay eager, or replay the graph captured before a compile (not again).
+                log.exception("capturing the incremental flow's graph for %s failed; no more tries", key[:4])
+                self._missed.fail(key)
+            finally:
+                self.captures += 1
+                self.capture_seconds += time.perf_counter() - started
         if key in self._graphs:
             log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
         return True
