@@ -68,10 +68,11 @@ class MissedCalls(Generic[Inputs]):
         copy; None when none waits. The key stays waiting until the block ends, however it ends
         (warm-ups wait until none does)."""
         with self._lock:
-            if not self._kept:
-                yield None
-                return
-            key, (inputs, copied, device) = next(iter(self._kept.items()))
+            oldest = next(iter(self._kept.items()), None)
+        if oldest is None:
+            yield None
+            return
+        key, (inputs, copied, device) = oldest
         try:
             if copied is not None:
                 torch.cuda.current_stream(device).wait_event(copied)
