@@ -80,6 +80,11 @@ class ServeOptions:
         then cheaper per clip and keep no listener waiting (the compiled forward alone: 15.1 ms a
         clip at 64 clips, 19.6 at 16, on an H100). A new stream's first chunk may wait for one such
         step. 250: as step_frames_per_row. A benchmark variant field.
+    late_step_frames_per_row: the same bound for a step whose most urgent job is a stream's that has
+        been dry for a second (engine/token2wav/scheduler.py): its listener hears a gap whatever the
+        step does, so larger calls that get more work through sooner serve every stream better (the
+        last chunks' recomputes ran in calls of 23 at 256 streams on an H100). 0: as
+        step_frames_per_row. A benchmark variant field.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
         the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
         the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).
@@ -138,6 +143,7 @@ class ServeOptions:
     overlap_hift: bool = True
     step_frames_per_row: int = 250
     whole_step_frames_per_row: int = 250
+    late_step_frames_per_row: int = 0
     flow_overlap: bool = False
     token2wav_priority: int = 0
     hift_first: bool = True
@@ -176,6 +182,11 @@ class ServeOptions:
                 "whole_step_frames_per_row",
                 50 <= self.whole_step_frames_per_row <= 4000,
                 "must be between 50 and 4000",
+            ),
+            (
+                "late_step_frames_per_row",
+                self.late_step_frames_per_row == 0 or 50 <= self.late_step_frames_per_row <= 4000,
+                "must be 0 or between 50 and 4000",
             ),
             ("text_lanes", 0 <= self.text_lanes <= 16, "must be between 0 (one per 4 cores) and 16"),
             ("token2wav_priority", self.token2wav_priority in (-1, 0), "must be 0 or -1"),

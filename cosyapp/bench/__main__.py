@@ -55,6 +55,7 @@ VARIANT_FIELDS = (
     "lm_yield_ms",
     "step_frames_per_row",
     "whole_step_frames_per_row",
+    "late_step_frames_per_row",
     "text_lanes",
     "compile_flow",
 )

@@ -286,6 +286,8 @@ def stage_times(
         # fill_ms: steps that waited for more jobs, and their waits
         "fills": t2w1.fills - t2w0.fills,
         "fill_s": t2w1.fill_seconds - t2w0.fill_seconds,
+        # late_step_frames_per_row: steps bound by it (their most urgent stream dry for a second)
+        "late_steps": t2w1.late_steps - t2w0.late_steps,
     }
 
 

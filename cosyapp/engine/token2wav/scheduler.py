@@ -17,6 +17,14 @@ streaming request opens each sentence's stream as the one before ends), only who
 listener hears a gap: a step may then reach ``whole_step_frames``, whose larger calls cost less per
 clip; a stream opened meanwhile may wait for one such step.
 
+A stream that has been dry for ``LATE_S`` or more is past helping by a short step: its listener
+hears a gap whatever the next call does, and what the flow gets through in the next seconds decides
+when every stream plays again. So while the most urgent job is such a stream's, a step may reach
+``late_step_frames``: at 256 streams on an H100 the last chunks' full-attention recomputes, about
+half of the flow's work, ran in calls of 23 clips, and the compiled forward alone costs 21.8 ms a
+clip in calls of 23 against 15.1 in calls of 64 (docs/benchmarks/README.md, "Compiling the flow and
+HiFT, measured").
+
 Jobs that become due together reach the queue one by one: at one LM step every stream in lockstep
 gets its chunk's last token, and the event loop hands the streams their tokens in turn. A worker
 that was idle would take the first job alone and leave the rest waiting a whole flow call (100-120
@@ -65,6 +73,8 @@ GATHER_MAX_S = 0.02
 WHOLE_GRACE_S = 1.0
 # A stream this close to running dry makes its job urgent: a filling step waits no more.
 FILL_MARGIN_S = 1.0
+# A stream dry this long makes its job late: its step may reach ``late_step_frames``.
+LATE_S = 1.0
 
 # A job's flow group (the jobs one padded flow call can hold) and the frames it makes that call pad to.
 Cost = Callable[[Job], tuple[Hashable, int]]
@@ -84,9 +94,12 @@ class JobQueue:
         whole_step_frames: int | None = None,
         whole_grace_s: float = WHOLE_GRACE_S,
         fill_s: float = 0.0,
+        late_step_frames: int | None = None,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
         self.whole_step_frames = whole_step_frames or step_frames
+        self.late_step_frames = late_step_frames or step_frames
+        self.late_steps = 0  # steps whose bound was late_step_frames (a late job first)
         # Streaming streams opened, until a step finds them ended or they are freed (either counts
         # as an end: ``_bound``).
         self._streaming: dict[int, weakref.ref[Stream]] = {}
@@ -133,9 +146,9 @@ class JobQueue:
                 self._changed.notify()
 
     def counters(self) -> dict:
-        """The fills so far (Token2WavStats)."""
+        """The fills and late steps so far (Token2WavStats)."""
         with self._changed:
-            return {"fills": self.fills, "fill_seconds": self.fill_seconds}
+            return {"fills": self.fills, "fill_seconds": self.fill_seconds, "late_steps": self.late_steps}
 
     @property
     def expected(self) -> int:
@@ -172,7 +185,8 @@ class JobQueue:
                         self._gather(idle)
                         self._fill()
                         continue  # closed or held meanwhile: look again
-                    batch = self._select()
+                    batch, late_bound = self._select()
+                    self.late_steps += late_bound
                     taken = set(map(id, batch))
                     self._jobs = [job for job in self._jobs if id(job) not in taken]
                     return batch
@@ -216,7 +230,7 @@ class JobQueue:
             left = self.fill_s - (now - start)
             if left <= 0 or any(urgent(job, now) for job in self._jobs):
                 break
-            if len(self._select()) < len(self._jobs):  # its padded bound is reached: the step is full
+            if len(self._select()[0]) < len(self._jobs):  # its padded bound is reached: the step is full
                 break
             self._changed.wait(left)  # a put wakes it to look again
         waited = time.monotonic() - start
@@ -224,20 +238,25 @@ class JobQueue:
             self.fills += 1
             self.fill_seconds += waited
 
-    def _bound(self) -> int:
-        """The step's padded size: ``whole_step_frames`` while no stream streams."""
+    def _bound(self, first: Job) -> tuple[int, bool]:
+        """The step's padded size, and whether it is ``late_step_frames``: that (if larger than
+        ``step_frames``) while the most urgent job, ``first``, is late (module docstring);
+        ``whole_step_frames`` while no stream streams."""
+        is_late = self.late_step_frames > self.step_frames and late(first, time.monotonic())
+        step = (self.late_step_frames, True) if is_late else (self.step_frames, False)
         for key, ref in list(self._streaming.items()):
             stream = ref()
             if stream is not None and stream.live:  # its run() ends it, however it ends
-                return self.step_frames
+                return step
             self._ended(key)
         if time.monotonic() - self._stream_ended_at < self.whole_grace_s:
-            return self.step_frames
-        return self.whole_step_frames
+            return step
+        return self.whole_step_frames, False
 
-    def _select(self) -> list[Job]:
+    def _select(self) -> tuple[list[Job], bool]:
+        """The next step's jobs, and whether its bound was ``late_step_frames``."""
         order = sorted(range(len(self._jobs)), key=lambda i: (deadline(self._jobs[i]), i))
-        bound = self._bound()
+        bound, late_bound = self._bound(self._jobs[order[0]])
         batch: list[Job] = []
         groups: dict[Hashable, tuple[int, int]] = {}  # group -> (rows, longest frames)
         left_behind: set[int] = set()  # streams with a job left for a later step
@@ -257,7 +276,7 @@ class JobQueue:
             batch.append(job)
         # A stream's jobs leave in submission order, whatever their deadlines' rounding.
         position = {id(job): i for i, job in enumerate(self._jobs)}
-        return sorted(batch, key=lambda job: position[id(job)])
+        return sorted(batch, key=lambda job: position[id(job)]), late_bound
 
 
 def deadline(job: Job) -> float:
@@ -267,6 +286,12 @@ def deadline(job: Job) -> float:
         return job.submitted_at + WHOLE_SLACK_S
     dry_at = stream.dry_at
     return job.submitted_at if dry_at is None else dry_at
+
+
+def late(job: Job, now: float) -> bool:
+    """Whether ``job``'s stream has been dry for ``LATE_S`` or more (module docstring)."""
+    stream = job.stream
+    return stream.streaming and stream.dry_at is not None and now - stream.dry_at >= LATE_S
 
 
 def urgent(job: Job, now: float) -> bool:

@@ -57,3 +57,5 @@ class Token2WavStats:
     # fill_ms (scheduler.py): steps that waited for more jobs, and their waits' seconds.
     fills: int = 0
     fill_seconds: float = 0.0
+    # late_step_frames_per_row (scheduler.py): steps bound by late_step_frames (a late job first).
+    late_steps: int = 0
