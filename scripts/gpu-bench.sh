@@ -33,4 +33,9 @@ if [ "${GPU_BENCH_MPS:-0}" = 1 ]; then
     echo "CUDA MPS control daemon started" | tee "$OUT/mps.txt"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python -m cosyapp.bench --full-size --engine vllm --workdir /tmp/bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -vE "^(INFO|DEBUG)"
+# GPU_BENCH_LIMIT_S: stop the bench after that many seconds, still keeping the caches and the engine
+# log above (a limit put around this whole script would stop it before its EXIT trap; the levels
+# measured by then are in bench-levels.jsonl).
+limit=()
+if [ -n "${GPU_BENCH_LIMIT_S:-}" ]; then limit=(timeout -k 5 "$GPU_BENCH_LIMIT_S"); fi
+"${limit[@]}" python -m cosyapp.bench --full-size --engine vllm --workdir /tmp/bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -vE "^(INFO|DEBUG)"
