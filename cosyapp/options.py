@@ -47,6 +47,10 @@ class ServeOptions:
         and values: four times the frames per byte at full size, for a key/value projection over
         each stream's past in every call; the same audio (engine/token2wav/pages.py). On by default
         (measured: docs/benchmarks/README.md); False keeps keys and values.
+    flow_step_graphs: with cuda_graphs, each incremental flow bucket's CUDA graph is one Euler step,
+        replayed once per step, instead of the whole call (engine/token2wav/incremental_graphs.py):
+        a tenth of the kernels to run and capture for each bucket met while serving, ten launches a
+        call. A benchmark variant field; off until measured.
     compile_flow: compile the flow estimator with torch.compile (engine/token2wav/fused.py): its
         forward whole (the recompute path), its transformer blocks for the incremental flow (with a
         pool of attention inputs; else its memory-bound pieces); the first start compiles them
@@ -133,6 +137,7 @@ class ServeOptions:
     cuda_graphs: bool = True
     flow_cache_gb: float | None = None
     chunked_final: bool = False
+    flow_step_graphs: bool = False
     flow_cache_inputs: bool = True
     compile_flow: bool | None = None
     compile_hift: bool | None = None

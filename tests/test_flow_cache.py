@@ -235,3 +235,32 @@ def test_a_call_of_17_to_24_streams_runs_on_the_bucket_of_24_rows(tiny_model):
         assert_after_prompt(mel, start, whole, 150)
     for c in caches:
         pool.release(c.pages)
+
+
+@pytest.mark.parametrize("inputs", [False, True], ids=["keys-values", "attention-inputs"])
+def test_steps_indexed_by_a_tensor_give_the_same_frames_tails_and_pages(tiny_model, inputs):
+    """With step_graphs a bucket's CUDA graph is one Euler step, which reads the step from a tensor
+    (incremental_graphs.py); on a CPU the calls run eagerly indexed that way. Two streams in one
+    padded call, chunk after chunk: the same frames, tails and pool pages as the steps given as ints,
+    bit for bit."""
+    flow = tiny_model.flow
+    steps, cpu = flow.decoder.n_timesteps, torch.device("cpu")
+    pools = [KVPool(raw_estimator(flow), 48, steps, cpu, torch.float32, inputs) for _ in range(2)]
+    runners = [IncrementalFlow(flow, pools[0], graphs=True), IncrementalFlow(flow, pools[1], True, True)]
+    prompts = [prompt(75, 21), prompt(37, 22)]
+    tokens = torch.randint(0, 6561, (150,), generator=torch.Generator().manual_seed(23))
+    caches = [[FlowCache() for _ in prompts] for _ in runners]
+    for n, final in [(28, False), (78, False), (150, True)]:
+        results = [
+            runner([FlowItem(c, *p, tokens[:n], final) for c, p in zip(cs, prompts, strict=True)])
+            for runner, cs in zip(runners, caches, strict=True)
+        ]
+        for (mel_int, start_int), (mel_t, start_t) in zip(*results, strict=True):
+            assert start_int == start_t and torch.equal(mel_int, mel_t)
+        for by_int, by_tensor in zip(*caches, strict=True):
+            assert by_int.pages == by_tensor.pages and by_int.frames == by_tensor.frames
+            assert torch.equal(by_int.tails, by_tensor.tails)
+        assert torch.equal(pools[0].kv, pools[1].kv)
+    # The int way is the one the other tests check against the recompute path.
+    whole = recompute(flow, prompts[1], tokens, True)
+    assert_after_prompt(results[1][1][0], results[1][1][1], whole, 74)

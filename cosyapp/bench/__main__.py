@@ -43,6 +43,7 @@ VARIANT_FIELDS = (
     "flow_cache_gb",
     "chunked_final",
     "flow_cache_inputs",
+    "flow_step_graphs",
     "gather_ms",
     "expect_ms",
     "fill_ms",

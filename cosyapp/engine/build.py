@@ -175,6 +175,7 @@ def token2wav_settings(device: torch.device, options: ServeOptions) -> dict:
         autocast_dtype=flow_autocast_dtype(device, options),
         flow_cache_bytes=None if options.flow_cache_gb is None else int(options.flow_cache_gb * 2**30),
         flow_cache_graphs=options.cuda_graphs and on_gpu,
+        flow_step_graphs=options.flow_step_graphs,
         chunked_final=options.chunked_final,
         flow_cache_inputs=options.flow_cache_inputs,
         gather_ms=options.gather_ms,

@@ -32,7 +32,8 @@ class CachedFlow:
     chunked_final: compute a stream's last chunk incrementally with the streaming masks too; False
     (default) computes it as upstream does, with full attention over the whole sentence (a
     recompute), after which the stream's pages are given back (docs/model.md §8.7). inputs: the pool
-    keeps attention inputs instead of keys and values (pages.py).
+    keeps attention inputs instead of keys and values (pages.py). step_graphs: with graphs, a bucket's
+    graph is one Euler step (incremental_graphs.py).
     """
 
     def __init__(
@@ -43,13 +44,14 @@ class CachedFlow:
         graphs: bool,
         chunked_final: bool,
         inputs: bool = False,
+        step_graphs: bool = False,
     ):
         est = raw_estimator(model.flow)
         steps = model.flow.decoder.n_timesteps
         pages = pool_bytes // KVPool.page_bytes(est, steps, dtype, inputs)
         self.model = model
         self.pool = KVPool(est, pages, steps, model.device, dtype, inputs)
-        self.flow = IncrementalFlow(model.flow, self.pool, graphs=graphs)
+        self.flow = IncrementalFlow(model.flow, self.pool, graphs=graphs, step_graphs=step_graphs)
         self.voices = VoicePages(self.pool, max_pages=pages // VOICE_SHARE)
         self.chunked_final = chunked_final
         self.holders: set[Stream] = set()
@@ -67,6 +69,7 @@ class CachedFlow:
         graphs: bool,
         chunked_final: bool,
         inputs: bool,
+        step_graphs: bool = False,
     ) -> "CachedFlow | None":
         """The worker's incremental flow over a pool of ``size`` bytes; None = FLOW_CACHE_SHARE of the
         GPU memory free now (the worker starts after the LM engine holds its share; off on a CPU).
@@ -74,7 +77,7 @@ class CachedFlow:
         dev = model.device
         if size is None:
             size = int(FLOW_CACHE_SHARE * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
-        return cls(model, size, dtype, graphs, chunked_final, inputs) if size else None
+        return cls(model, size, dtype, graphs, chunked_final, inputs, step_graphs) if size else None
 
     def counters(self) -> dict:
         """The pool's and the graphs' counters as Token2WavStats fields."""

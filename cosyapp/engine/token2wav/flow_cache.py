@@ -213,16 +213,21 @@ def _inputs(
 class IncrementalFlow:
     """The incremental streaming flow of one model over one page pool (see the module docstring)."""
 
-    def __init__(self, flow: CausalMaskedDiffWithXvec, pool: KVPool, graphs: bool = False):
+    def __init__(
+        self, flow: CausalMaskedDiffWithXvec, pool: KVPool, graphs: bool = False, step_graphs: bool = False
+    ):
         """graphs: pad calls to shape buckets and replay them from CUDA graphs (on a CPU the padded
-        calls run eagerly, which checks the padding)."""
+        calls run eagerly, which checks the padding); step_graphs: a graph per bucket of one Euler
+        step, not of the call (IncrementalGraphs)."""
         self.flow, self.pool = flow, pool
         estimator = raw_estimator(flow)
         # With --compile-flow the step runs the estimator's compiled pieces (fused.py); its blocks
         # compiled whole (compiled_blocks.py) measured slower on an H100, so they are not served.
         self.step_fn = IncrementalEstimator(estimator, pool.inputs)
         cfg_rate = flow.decoder.inference_cfg_rate
-        self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate) if graphs else None
+        self.graphs = None
+        if graphs:
+            self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate, step_graphs=step_graphs)
         self.run_frames = 0  # new frames the calls ran per item, their shape's padding included
 
     @torch.inference_mode()

@@ -81,9 +81,14 @@ class _StepIO:
         keep = inputs.keep.repeat(ROWS).view(-1, 1, 1)
         self.tail_at = keep + torch.arange(TAIL, device=keep.device)
 
-    def start_step(self, step: int) -> None:
-        self.step, self.block, self.channel = step, 0, 0
-        self.step_t = self._steps[step : step + 1]
+    def start_step(self, step: int | Tensor) -> None:
+        """``step``: an int, or a (1,) long tensor on the device that a CUDA graph of one Euler step
+        reads at each replay (incremental_graphs.py), so that every index by the step is a tensor's."""
+        self.block, self.channel = 0, 0
+        if isinstance(step, Tensor):
+            self.step, self.step_t = None, step
+        else:
+            self.step, self.step_t = step, self._steps[step : step + 1]
 
     def first_row(self, block: int) -> Tensor:
         """(1,) long: ``block``'s first row where the pool's block and row axes are taken as one, as
@@ -91,9 +96,9 @@ class _StepIO:
         return self._offsets[block : block + 1]
 
     def _at_step(self) -> int | Tensor:
-        """The step to index the caches' step axis with: the int, or compiled its (1,) tensor, which
-        keeps that axis (a 0-d tensor index would be read back as an int)."""
-        return self.step_t if torch.compiler.is_dynamo_compiling() else self.step
+        """The step to index the caches' step axis with: the int, or (compiled, or given as a tensor)
+        its (1,) tensor, which keeps that axis (a 0-d tensor index would be read back as an int)."""
+        return self.step_t if self.step is None or torch.compiler.is_dynamo_compiling() else self.step
 
     def conv_input(self, x: Tensor) -> Tensor:
         """x (ROWS*B, C, W) -> (ROWS*B, C, TAIL + W) with the stream's earlier inputs in front; keeps
@@ -107,8 +112,10 @@ class _StepIO:
         kept = full.gather(2, self.tail_at.expand(-1, c, -1))
         if isinstance(step, int):
             self.new_tails[step, :, lo:hi] = kept
-        else:
+        elif torch.compiler.is_dynamo_compiling():
             put_tails(self.new_tails, step, lo, hi, kept)
+        else:
+            self.new_tails[step, :, lo:hi] = kept.unsqueeze(0)  # as put_tails, without its dispatch
         self.channel = hi
         return full
 
@@ -129,14 +136,14 @@ class _StepIO:
         pad = (0, 0) * frame_dims + (0, n_pages * page - width)
         paged = new if width == n_pages * page else F.pad(new, pad)
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
-        if isinstance(step, int):
+        if torch.compiler.is_dynamo_compiling():
+            put_rows(self.kv, self.first_row(layer) + self.inputs.write_rows, step, pages)
+            store = self.kv[layer]  # read after the write
+        else:
             into, words = as_words(store), as_words(pages)
             if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
                 into, words = store, pages
             into[self.inputs.write_rows, step] = words
-        else:
-            put_rows(self.kv, self.first_row(layer) + self.inputs.write_rows, step, pages)
-            store = self.kv[layer]  # read after the write
         both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
         start = both.size(1) - n_pages * page
@@ -248,27 +255,63 @@ def transformer_stages(estimator: CausalConditionalDecoder) -> list[nn.ModuleLis
     ]
 
 
-def run_cfm(
-    step_fn: IncrementalEstimator, kv: Tensor, inputs: CallInputs, cfg_rate: float
-) -> tuple[Tensor, Tensor]:
-    """The CFM's Euler steps with guidance over the new frames: (x (B, 80, W), new tails)."""
-    steps = inputs.tails.size(0)
-    new_tails = inputs.tails.clone()
-    io = _StepIO(kv, inputs, new_tails)
-    dtype = inputs.spks.dtype
-    x = inputs.x
-    t_span = cosine_time_grid(steps, x.device, inputs.mu.dtype)
-    mask_in = torch.cat([inputs.mask, inputs.mask]).to(dtype)
-    mu_in = torch.cat([inputs.mu, torch.zeros_like(inputs.mu)]).to(dtype)
-    spks_in = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
-    cond_in = torch.cat([inputs.cond, torch.zeros_like(inputs.cond)]).to(dtype)
+def euler_times(steps: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Each Euler step's time and time step (steps,), as the CFM's loop makes them: the time adds up
+    its steps (upstream's solver), which can differ from the grid's own point in the last bit."""
+    t_span = cosine_time_grid(steps, device, dtype)
+    times, deltas = [], []
     t = t_span[0]
     for step in range(1, len(t_span)):
-        io.start_step(step - 1)
         dt = t_span[step] - t
-        t_in = t.to(dtype).expand(ROWS * x.size(0))
-        velocity = step_fn(torch.cat([x, x]).to(dtype), mask_in, mu_in, t_in, spks_in, cond_in, io)
-        v_cond, v_uncond = velocity.chunk(2)
-        x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
+        times.append(t)
+        deltas.append(dt)
         t = t + dt
+    return torch.stack(times), torch.stack(deltas)
+
+
+class EulerSteps:
+    """The CFM's Euler steps with guidance over a call's new frames, one at a time: ``step(k, x)``
+    is step ``k``'s x, its tails and pages written. ``k`` is an int, or a (1,) long tensor on the
+    device, so that one CUDA graph of a step serves every step (incremental_graphs.py)."""
+
+    def __init__(
+        self,
+        step_fn: IncrementalEstimator,
+        kv: Tensor,
+        inputs: CallInputs,
+        cfg_rate: float,
+        new_tails: Tensor,
+        times: tuple[Tensor, Tensor],
+    ):
+        self.step_fn, self.cfg_rate, self.times = step_fn, cfg_rate, times
+        self.io = _StepIO(kv, inputs, new_tails)
+        dtype = self.dtype = inputs.spks.dtype
+        self.mask = torch.cat([inputs.mask, inputs.mask]).to(dtype)
+        self.mu = torch.cat([inputs.mu, torch.zeros_like(inputs.mu)]).to(dtype)
+        self.spks = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
+        self.cond = torch.cat([inputs.cond, torch.zeros_like(inputs.cond)]).to(dtype)
+
+    def step(self, k: int | Tensor, x: Tensor) -> Tensor:
+        self.io.start_step(k)
+        t, dt = self.times[0][k], self.times[1][k]
+        t_in = t.to(self.dtype).expand(ROWS * x.size(0))
+        both = torch.cat([x, x]).to(self.dtype)
+        velocity = self.step_fn(both, self.mask, self.mu, t_in, self.spks, self.cond, self.io)
+        v_cond, v_uncond = velocity.chunk(2)
+        return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+
+
+def run_cfm(
+    step_fn: IncrementalEstimator, kv: Tensor, inputs: CallInputs, cfg_rate: float, tensor_steps: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The CFM's Euler steps with guidance over the new frames: (x (B, 80, W), new tails).
+    tensor_steps: each step given as a tensor, as a graph of one step reads it (on a CPU, where
+    no graph runs, this checks that way of indexing)."""
+    steps = inputs.tails.size(0)
+    new_tails = inputs.tails.clone()
+    dev = inputs.x.device
+    euler = EulerSteps(step_fn, kv, inputs, cfg_rate, new_tails, euler_times(steps, dev, inputs.mu.dtype))
+    x = inputs.x
+    for step in range(steps):
+        x = euler.step(torch.full((1,), step, dtype=torch.long, device=dev) if tensor_steps else step, x)
     return x, new_tails

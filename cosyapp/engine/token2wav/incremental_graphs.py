@@ -1,6 +1,7 @@
 """The incremental flow's calls replayed from CUDA graphs, one per shape bucket (``IncrementalGraphs``),
 captured on a thread of their own (cached.py) while the calls of a bucket not captured yet run
-eagerly; see incremental.py for the call itself."""
+eagerly; see incremental.py for the call itself. A bucket's graph holds the call's ten Euler steps,
+or (``step_graphs``) one step, replayed ten times."""
 
 import logging
 import time
@@ -13,7 +14,13 @@ from torch import Tensor
 from cosyapp.engine.token2wav.capturing import MissedCalls
 from cosyapp.engine.token2wav.compiling import noting_eager_kinds
 from cosyapp.engine.token2wav.graph_table import Captured, GraphTable
-from cosyapp.engine.token2wav.incremental import CallInputs, IncrementalEstimator, run_cfm
+from cosyapp.engine.token2wav.incremental import (
+    CallInputs,
+    EulerSteps,
+    IncrementalEstimator,
+    euler_times,
+    run_cfm,
+)
 from cosyapp.engine.token2wav.turns import capture_graph
 from cosyapp.models.flow_estimator import autocast_dtype
 
@@ -27,8 +34,23 @@ log = logging.getLogger(__name__)
 class _Graph(Captured):
     graph: torch.cuda.CUDAGraph
     inputs: CallInputs
-    x: Tensor
+    x: Tensor  # the call's x; of one step's graph, its state (inputs.x, moved in place)
     tails: Tensor
+    # One step's graph: the step it runs, written before each replay (the Euler times stay alive
+    # beside it, as the graph reads them).
+    step: Tensor | None = None
+    times: tuple[Tensor, Tensor] | None = None
+
+    def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
+        self.inputs.copy_(inputs)
+        if self.step is None:
+            self.replay()
+        else:
+            self.tails.copy_(self.inputs.tails)
+            for k in range(self.tails.size(0)):
+                self.step.fill_(k)
+                self.replay()
+        return self.x.clone(), self.tails.clone()
 
 
 class IncrementalGraphs:
@@ -41,11 +63,24 @@ class IncrementalGraphs:
     thread of its own captures it (``capture_missed``, cached.py) while the flow thread serves on;
     calls that come before the capture has ended run eagerly too. Without ``defer`` the first call
     captures and then replays, holding the flow thread meanwhile.
+
+    ``step_graphs``: a bucket's graph is one Euler step, which reads the step from a tensor and is
+    replayed once per step: its capture runs a tenth of the kernels three times and instantiates a
+    tenth of the nodes, on the GPU that serving needs (captures beside serving took 6-15 s of a
+    256-stream level on an H100), for ten launches a call instead of one and the call's input
+    concatenations made at each step.
     """
 
-    def __init__(self, step_fn: IncrementalEstimator, pool: "KVPool", cfg_rate: float, defer: bool = True):
+    def __init__(
+        self,
+        step_fn: IncrementalEstimator,
+        pool: "KVPool",
+        cfg_rate: float,
+        defer: bool = True,
+        step_graphs: bool = False,
+    ):
         self.step_fn, self.pool, self.cfg_rate = step_fn, pool, cfg_rate
-        self.defer = defer
+        self.defer, self.step_graphs = defer, step_graphs
         self._graphs: GraphTable[_Graph] = GraphTable()
         self._missed: MissedCalls[CallInputs] = MissedCalls()  # buckets met but not captured
         self._pool = None
@@ -59,8 +94,8 @@ class IncrementalGraphs:
         return len(self._missed)
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
-        if not inputs.x.is_cuda:
-            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate)
+        if not inputs.x.is_cuda:  # the same steps eagerly, indexed as their graphs would
+            return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate, self.step_graphs)
         key = (
             *inputs.attn_mask.shape,
             inputs.attn_mask.dtype,
@@ -78,9 +113,7 @@ class IncrementalGraphs:
             graph = self._graphs.lookup(key)
         if graph.stale:  # captured before a compile (compiling.py): capture it again
             self._miss(key, inputs)
-        graph.inputs.copy_(inputs)
-        graph.replay()
-        return graph.x.clone(), graph.tails.clone()
+        return graph.run(inputs)
 
     def _miss(self, key: tuple, inputs: CallInputs) -> None:
         """Keep a copy of ``inputs`` for the capture thread to capture ``key`` with, unless it has one."""
@@ -129,11 +162,24 @@ class IncrementalGraphs:
         # Warm-up and capture write to the trash page only, so the pool's real pages stay as they are.
         static.write_rows.zero_()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
+        kv = self.pool.kv
+        step, times = None, None
         with noting_eager_kinds() as eager:  # a compile ending during the capture makes it stale
-            graph, (x, tails) = capture_graph(
-                lambda: run_cfm(self.step_fn, self.pool.kv, static, self.cfg_rate), dev, self._pool
-            )
+            if self.step_graphs:
+                step = torch.zeros(1, dtype=torch.long, device=dev)
+                times = euler_times(static.tails.size(0), dev, static.mu.dtype)
+                x, tails = static.x, static.tails.clone()
+
+                def one_step() -> None:
+                    euler = EulerSteps(self.step_fn, kv, static, self.cfg_rate, tails, times)
+                    x.copy_(euler.step(step, x))
+
+                graph, _ = capture_graph(one_step, dev, self._pool)
+            else:
+                call = lambda: run_cfm(self.step_fn, kv, static, self.cfg_rate)  # noqa: E731
+                graph, (x, tails) = capture_graph(call, dev, self._pool)
+        captured = _Graph(graph, static, x, tails, step=step, times=times, eager=frozenset(eager))
         # The static inputs are another thread's to write once the graph is published.
         torch.cuda.current_stream(dev).synchronize()
         # After a compile: in place of the old, which the flow thread may be replaying (compiling.py).
-        self._graphs.put(key, _Graph(graph, static, x, tails, eager=frozenset(eager)))
+        self._graphs.put(key, captured)

@@ -60,9 +60,10 @@ class Token2Wav:
     the flow under autocast (fp16/bf16 on CUDA); HiFT always runs in float32, as upstream.
     flow_cache_bytes: memory for the incremental streaming flow's pages (cached.py), 0 = recompute
     every chunk's prefix as upstream, None = cached.FLOW_CACHE_SHARE of the GPU memory free at
-    start() (off on a CPU); flow_cache_graphs: replay its calls from CUDA graphs;
-    chunked_final: see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys
-    and values (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
+    start() (off on a CPU); flow_cache_graphs: replay its calls from CUDA graphs, with
+    flow_step_graphs one graph of one Euler step per bucket (incremental_graphs.py); chunked_final:
+    see CachedFlow. flow_cache_inputs: the pool keeps attention inputs instead of keys and values
+    (pages.py). gather_ms: how long an idle worker gathers the jobs of its next step
     (scheduler.py); expect_ms: how long a step waits for the jobs of streams a token or two short of
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row), whole_step_frames while no
@@ -85,6 +86,7 @@ class Token2Wav:
         autocast_dtype: torch.dtype | None = None,
         flow_cache_bytes: int | None = 0,
         flow_cache_graphs: bool = False,
+        flow_step_graphs: bool = False,
         chunked_final: bool = DEFAULTS.chunked_final,
         flow_cache_inputs: bool = DEFAULTS.flow_cache_inputs,
         gather_ms: float = DEFAULTS.gather_ms,
@@ -127,7 +129,9 @@ class Token2Wav:
         self._captures: CaptureThread | None = None
         dtype = autocast_dtype or model.flow.input_embedding.weight.dtype
         flow_cache = (flow_cache_bytes, dtype, flow_cache_graphs, chunked_final, flow_cache_inputs)
-        self._cached_flow = functools.partial(CachedFlow.sized, model, *flow_cache)
+        self._cached_flow = functools.partial(
+            CachedFlow.sized, model, *flow_cache, step_graphs=flow_step_graphs
+        )
 
     def _new_queue(self) -> JobQueue:
         waits = {"expect_s": self.expect_s, "fill_s": self.fill_s}
