@@ -18,7 +18,9 @@ scripts/flow_compile_speed.py measures the flow compiled against eager on the sa
 FLOW_CACHE_INPUTS=1: pools of attention inputs (--flow-cache-inputs); FLOW_CACHE_BATCHES=1,64: those.
 FLOW_CACHE_ROW_BUCKETS=1,2,4,8,16,24,32,48,64: the graphed calls' row buckets instead of the engine's
 (flow_cache.BATCH_BUCKETS), to weigh the padding of a call to its bucket; FLOW_CACHE_PAST_BUCKETS the
-same for the past pages (flow_cache.PAST_BUCKETS).
+same for the past pages (flow_cache.PAST_BUCKETS). FLOW_CACHE_STEP_GRAPHS=1: only the incremental
+calls, eager against graphs of the whole call and graphs of one Euler step (--flow-step-graphs):
+each way's captures timed, every call timed and compared with eager.
 """
 
 import copy
@@ -42,6 +44,7 @@ SMOKE = os.environ.get("FLOW_CACHE_SMOKE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 PROMPT, TOKENS, LOOKAHEAD = 75, 60 if SMOKE else 260, 3
 INPUTS = os.environ.get("FLOW_CACHE_INPUTS") == "1"
+STEP_GRAPHS = os.environ.get("FLOW_CACHE_STEP_GRAPHS") == "1"
 BATCHES = (1, 2) if SMOKE else (1, 4, 16, 32, 64)
 if os.environ.get("FLOW_CACHE_BATCHES"):
     BATCHES = tuple(int(b) for b in os.environ["FLOW_CACHE_BATCHES"].split(","))
@@ -178,9 +181,10 @@ def main() -> None:
     flow, served, v, tokens, calls, emit = setup(
         sys.argv[1] if len(sys.argv) > 1 else "flow-cache-speed.json"
     )
-    accuracy(flow, served, v, tokens, calls, emit)
+    if not STEP_GRAPHS:
+        accuracy(flow, served, v, tokens, calls, emit)
     for batch in BATCHES:
-        measure_batch(served, v, tokens, calls, batch, emit)
+        (compare_graphs if STEP_GRAPHS else measure_batch)(served, v, tokens, calls, batch, emit)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -305,6 +309,38 @@ def measure_batch(flow, v, tokens, calls, batch: int, emit) -> None:
             "page_gb": round(pages * KVPool.page_bytes(est, 10, torch.float16, INPUTS) / 2**30, 1),
         }
     )
+
+
+def compare_graphs(flow, v, tokens, calls, batch: int, emit) -> None:
+    """Every incremental call of the schedule for ``batch`` streams: eager, replayed from graphs of
+    the whole call, and from graphs of one Euler step; the captures of each way timed."""
+    est = raw_estimator(flow)
+    pages = batch * (2 * (PROMPT + TOKENS) // 50 + 1) + 4
+    pool = KVPool(est, pages=pages, steps=10, device=DEVICE, dtype=torch.float16, inputs=INPUTS)
+    runners = {
+        "eager": IncrementalFlow(flow, pool),
+        "call_graphs": IncrementalFlow(flow, pool, graphs=True),
+        "step_graphs": IncrementalFlow(flow, pool, graphs=True, step_graphs=True),
+    }
+    row: dict = {"check": "graphs", "batch": batch, "calls": [n for n, _ in calls]}
+    frames = {}
+    for name, runner in runners.items():
+        run_schedule(flow, pool, runner, v, batch, tokens, calls)  # kernels, allocator; buckets met
+        capture_missed(runner)
+        if runner.graphs is not None:
+            row[f"{name}_captures"] = runner.graphs.captures
+            row[f"{name}_capture_s"] = round(runner.graphs.capture_seconds, 2)
+        eager_before = runner.graphs.eager_calls if runner.graphs is not None else 0
+        timings: list[float] = []
+        frames[name] = run_schedule(flow, pool, runner, v, batch, tokens, calls, timings=timings)
+        row[f"{name}_ms"] = [round(ms, 2) for ms in timings]
+        row[f"{name}_sentence_ms"] = round(sum(timings), 1)
+        if runner.graphs is not None:  # timed calls that found no graph (none once all are captured)
+            row[f"{name}_timed_eager_calls"] = runner.graphs.eager_calls - eager_before
+    for name in ("call_graphs", "step_graphs"):
+        pairs = zip(frames[name], frames["eager"], strict=True)
+        row[f"{name}_vs_eager_max_abs"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+    emit(row)
 
 
 def whole_clip(flow, v, tokens, batch: int) -> torch.Tensor:
