@@ -74,19 +74,24 @@ def schedule(prompt_len: int, total: int) -> list[tuple[int, bool]]:
     return [*calls, (total, True)]
 
 
-def voice(seed: int = 0):
+def voice(seed: int = 0, device: torch.device = DEVICE):
+    """A 3 s prompt's speech tokens, mel and x-vector on ``device``."""
     g = torch.Generator().manual_seed(seed)
     return (
-        torch.randint(0, 6561, (PROMPT,), generator=g).to(DEVICE),
-        (torch.randn(2 * PROMPT, 80, generator=g) - 5).to(DEVICE),
-        torch.randn(192, generator=g).to(DEVICE),
+        torch.randint(0, 6561, (PROMPT,), generator=g).to(device),
+        (torch.randn(2 * PROMPT, 80, generator=g) - 5).to(device),
+        torch.randn(192, generator=g).to(device),
     )
 
 
 def recompute(flow, v, tokens: torch.Tensor, batch: int, final: bool, streaming: bool = True, fp16=True):
+    """``batch`` streams of the voice ``v`` and ``tokens`` through the flow in one call (the recompute
+    path), on the tokens' device: fp16 autocast on a GPU."""
     speech, feat, emb = v
-    full = lambda n: torch.full((batch,), n, device=DEVICE)  # noqa: E731
-    with torch.inference_mode(), torch.autocast(DEVICE.type, dtype=torch.float16, enabled=fp16 and not SMOKE):
+    dev = tokens.device
+    full = lambda n: torch.full((batch,), n, device=dev)  # noqa: E731
+    fp16 = fp16 and dev.type == "cuda"
+    with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.float16, enabled=fp16):
         mel, _ = flow.inference(
             token=tokens.expand(batch, -1),
             token_len=full(tokens.numel()),

@@ -44,6 +44,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from flow_cache_speed import recompute, voice  # noqa: E402  (the sibling script's flow call)
+
 from cosyapp.bench.timeline import Timeline
 from cosyapp.engine.cuda_streams import role_stream
 from cosyapp.engine.token2wav.precision import cast_matmul_weights
@@ -55,7 +58,7 @@ DEVICE = torch.device("cpu" if SMOKE else "cuda")
 ROWS = 2 if SMOKE else 64
 FRAMES = 108  # a first chunk's mel: 100 new frames and the 8 HiFT caches in front
 CACHED_SOURCE = 3840
-PROMPT, FIRST_CALL = 75, 28  # a 3 s prompt; a first chunk's 25 tokens and the lookahead
+FIRST_CALL = 28  # a first chunk's 25 tokens and the lookahead, after a 3 s prompt
 CALLS = 1 if SMOKE else 5
 
 
@@ -91,21 +94,12 @@ class Neighbour(threading.Thread):
 
 
 def flow_work(flow):
-    g = torch.Generator().manual_seed(0)
-    speech = torch.randint(0, 6561, (PROMPT,), generator=g).to(DEVICE)
-    feat = (torch.randn(2 * PROMPT, 80, generator=g) - 5).to(DEVICE)
-    emb = torch.randn(192, generator=g).to(DEVICE)
-    tokens = torch.randint(0, 6561, (FIRST_CALL,), generator=g).to(DEVICE)
-    full = lambda n: torch.full((ROWS,), n, device=DEVICE)  # noqa: E731
+    """A first chunk's recompute for ROWS streams (flow_cache_speed.py's)."""
+    v = voice(0, DEVICE)
+    tokens = torch.randint(0, 6561, (FIRST_CALL,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def call():
-        with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=not SMOKE):
-            flow.inference(
-                token=tokens.expand(ROWS, -1), token_len=full(FIRST_CALL),
-                prompt_token=speech.expand(ROWS, -1), prompt_token_len=full(PROMPT),
-                prompt_feat=feat.expand(ROWS, -1, -1), prompt_feat_len=full(2 * PROMPT),
-                embedding=emb.expand(ROWS, -1), streaming=True, finalize=False,
-            )  # fmt: skip
+        recompute(flow, v, tokens, ROWS, final=False)
         sync()  # the worker waits for each flow call before handing its mels on
 
     return call
