@@ -115,7 +115,8 @@ class _StepIO:
         elif torch.compiler.is_dynamo_compiling():
             put_tails(self.new_tails, step, lo, hi, kept)
         else:
-            self.new_tails[step, :, lo:hi] = kept.unsqueeze(0)  # as put_tails, without its dispatch
+            # as put_tails, without its dispatch; an indexed write casts nothing, unlike the int's
+            self.new_tails[step, :, lo:hi] = kept.unsqueeze(0).to(self.new_tails.dtype)
         self.channel = hi
         return full
 
