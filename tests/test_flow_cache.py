@@ -264,3 +264,34 @@ def test_steps_indexed_by_a_tensor_give_the_same_frames_tails_and_pages(tiny_mod
     # The int way is the one the other tests check against the recompute path.
     whole = recompute(flow, prompts[1], tokens, True)
     assert_after_prompt(results[1][1][0], results[1][1][1], whole, 74)
+
+
+def test_a_tensor_step_writes_float32_convolution_inputs_to_half_precision_tails():
+    """As served on a GPU: the tails are in float16 (the x-vector's dtype), a convolution's input
+    in float32. A step given as a tensor keeps the same tails as one given as an int, whose writes
+    cast (on an H100 the tensor way's indexed write refused the float32 input)."""
+    from cosyapp.engine.token2wav.incremental import CallInputs, _StepIO
+
+    g = torch.Generator().manual_seed(5)
+    steps, rows, channels = 3, 2, 6
+    tails = torch.randn(steps, 2 * rows, channels, 2, generator=g).half()
+    inputs = CallInputs(
+        *(torch.zeros(1) for _ in range(5)),
+        read_rows=torch.zeros(1, dtype=torch.long),
+        attn_mask=torch.zeros(1),
+        tails=tails,
+        keep=torch.tensor([3, 5]),
+        write_rows=torch.zeros(1, dtype=torch.long),
+    )
+    x = torch.randn(2 * rows, channels, 7, generator=g)
+    kv = torch.zeros(1, 4, steps, 2, 8)
+    got = []
+    for step in (1, torch.tensor([1])):
+        io = _StepIO(kv, inputs, tails.clone())
+        io.start_step(step)
+        full = io.conv_input(x)
+        io.end_step()
+        got.append((full, io.new_tails))
+    (full_int, tails_int), (full_tensor, tails_tensor) = got
+    assert torch.equal(full_int, full_tensor) and torch.equal(tails_int, tails_tensor)
+    assert not torch.equal(tails_int[1], tails[1]) and torch.equal(tails_int[0], tails[0])

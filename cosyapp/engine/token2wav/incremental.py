@@ -83,12 +83,27 @@ class _StepIO:
 
     def start_step(self, step: int | Tensor) -> None:
         """``step``: an int, or a (1,) long tensor on the device that a CUDA graph of one Euler step
-        reads at each replay (incremental_graphs.py), so that every index by the step is a tensor's."""
+        reads at each replay (incremental_graphs.py), so that every index by the step is a tensor's.
+        A tensor step reads the step's tails once, keeps the new ones until ``end_step``, and indexes
+        the pool's rows and steps as one axis, so each read and write is a gather or scatter by one
+        index, as the int's (its step a view)."""
         self.block, self.channel = 0, 0
+        tails, new_tails = self.inputs.tails, self.new_tails
         if isinstance(step, Tensor):
             self.step, self.step_t = None, step
+            steps = self.kv.size(2)
+            self._read_at = self.inputs.read_rows * steps + step
+            self._write_at = self.inputs.write_rows * steps + step
+            self._tails_now = tails.index_select(0, step)[0]
+            self._new_tails_now = new_tails.index_select(0, step)[0]
         else:
             self.step, self.step_t = step, self._steps[step : step + 1]
+            self._tails_now, self._new_tails_now = tails[step], new_tails[step]
+
+    def end_step(self) -> None:
+        """A tensor step's new tails into ``new_tails`` (an int's went there as they came)."""
+        if self.step is None and not torch.compiler.is_dynamo_compiling():
+            self.new_tails.index_copy_(0, self.step_t, self._new_tails_now.unsqueeze(0))
 
     def first_row(self, block: int) -> Tensor:
         """(1,) long: ``block``'s first row where the pool's block and row axes are taken as one, as
@@ -105,18 +120,14 @@ class _StepIO:
         the inputs before frame `keep` as the new tails."""
         c = x.size(1)
         lo, hi = self.channel, self.channel + c
-        step = self._at_step()
-        tails = self.inputs.tails[step, :, lo:hi]
-        tails = tails if isinstance(step, int) else tails[0]
+        compiling = torch.compiler.is_dynamo_compiling()
+        tails = self.inputs.tails[self.step_t, :, lo:hi][0] if compiling else self._tails_now[:, lo:hi]
         full = torch.cat([tails.to(x.dtype), x], dim=2)
         kept = full.gather(2, self.tail_at.expand(-1, c, -1))
-        if isinstance(step, int):
-            self.new_tails[step, :, lo:hi] = kept
-        elif torch.compiler.is_dynamo_compiling():
-            put_tails(self.new_tails, step, lo, hi, kept)
+        if compiling:
+            put_tails(self.new_tails, self.step_t, lo, hi, kept)
         else:
-            # as put_tails, without its dispatch; an indexed write casts nothing, unlike the int's
-            self.new_tails[step, :, lo:hi] = kept.unsqueeze(0).to(self.new_tails.dtype)
+            self._new_tails_now[:, lo:hi] = kept
         self.channel = hi
         return full
 
@@ -139,13 +150,17 @@ class _StepIO:
         pages = paged.reshape(rb * n_pages, page, *new.shape[2:]).to(store.dtype)
         if torch.compiler.is_dynamo_compiling():
             put_rows(self.kv, self.first_row(layer) + self.inputs.write_rows, step, pages)
-            store = self.kv[layer]  # read after the write
+            both = self.kv[layer][self.inputs.read_rows, step]  # read after the write
         else:
-            into, words = as_words(store), as_words(pages)
+            if self.step is None:  # a tensor step: rows and steps as one axis (start_step)
+                at_step, write_at, read_at = store.flatten(0, 1), self._write_at, self._read_at
+            else:
+                at_step, write_at, read_at = store[:, step], self.inputs.write_rows, self.inputs.read_rows
+            into, words = as_words(at_step), as_words(pages)
             if into.dtype != words.dtype:  # only one of them can be seen as words: write elements
-                into, words = store, pages
-            into[self.inputs.write_rows, step] = words
-        both = store[self.inputs.read_rows, step]  # (ROWS*B*(Pp + Wp), page, *frame)
+                into, words = at_step, pages
+            into[write_at] = words
+            both = at_step[read_at]  # (ROWS*B*(Pp + Wp), page, *frame)
         both = both.view(rb, -1, *both.shape[2:]).to(new.dtype)
         start = both.size(1) - n_pages * page
         both[:, start : start + width] = new  # the trash page's slots hold other streams' frames
@@ -298,6 +313,7 @@ class EulerSteps:
         t_in = t.to(self.dtype).expand(ROWS * x.size(0))
         both = torch.cat([x, x]).to(self.dtype)
         velocity = self.step_fn(both, self.mask, self.mu, t_in, self.spks, self.cond, self.io)
+        self.io.end_step()
         v_cond, v_uncond = velocity.chunk(2)
         return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
 
