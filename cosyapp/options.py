@@ -49,8 +49,10 @@ class ServeOptions:
         (measured: docs/benchmarks/README.md); False keeps keys and values.
     flow_step_graphs: with cuda_graphs, each incremental flow bucket's CUDA graph is one Euler step,
         replayed once per step, instead of the whole call (engine/token2wav/incremental_graphs.py):
-        a tenth of the kernels to run and capture for each bucket met while serving, ten launches a
-        call. A benchmark variant field; off until measured.
+        a tenth of the kernels to run and capture per bucket (on an H100 8.8-9.4x cheaper captures),
+        ten launches a call; cheap enough that the first call of each row size has every bucket of
+        that size captured, so the start's warm-up leaves none to capture while serving. A benchmark
+        variant field; off until measured in the engine.
     compile_flow: compile the flow estimator with torch.compile (engine/token2wav/fused.py): its
         forward whole (the recompute path), its transformer blocks for the incremental flow (with a
         pool of attention inputs; else its memory-bound pieces); the first start compiles them

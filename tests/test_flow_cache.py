@@ -295,3 +295,47 @@ def test_a_tensor_step_writes_float32_convolution_inputs_to_half_precision_tails
     (full_int, tails_int), (full_tensor, tails_tensor) = got
     assert torch.equal(full_int, full_tensor) and torch.equal(tails_int, tails_tensor)
     assert not torch.equal(tails_int[1], tails[1]) and torch.equal(tails_int[0], tails[0])
+
+
+def test_blank_inputs_make_a_real_calls_bucket_and_touch_only_the_trash_page(tiny_model):
+    """With step graphs on a GPU every bucket of a row size met is captured from blank inputs
+    (IncrementalGraphs.plan): they must give a real call's bucket key, shapes and dtypes, and the
+    capture's runs must leave every page but the trash page as it was, at each width and past."""
+    from dataclasses import fields
+
+    from cosyapp.engine.token2wav.flow_cache import PAST_BUCKETS, blank_inputs
+    from cosyapp.engine.token2wav.incremental import CallInputs, run_cfm
+    from cosyapp.engine.token2wav.incremental_graphs import IncrementalGraphs
+    from cosyapp.engine.token2wav.pages import TRASH
+
+    flow = tiny_model.flow
+    steps, cpu = flow.decoder.n_timesteps, torch.device("cpu")
+    pool = KVPool(raw_estimator(flow), pages=48, steps=steps, device=cpu, dtype=torch.float32, inputs=True)
+    runner = IncrementalFlow(flow, pool, graphs=True)
+    seen: list[CallInputs] = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda inputs: seen.append(inputs) or run(inputs)  # records, then runs it
+    caches = [FlowCache() for _ in range(3)]  # 3 streams: the row bucket of 4
+    tokens = torch.randint(0, 6561, (78,), generator=torch.Generator().manual_seed(31))
+    runner([FlowItem(c, *prompt(75, 30), tokens[:28], False) for c in caches])
+    runner([FlowItem(c, *prompt(75, 30), tokens, False) for c in caches])
+    real = seen[-1]
+    rows, width = real.x.size(0), real.x.size(2)
+    past = real.read_rows.numel() // (2 * rows) - -(-width // PAGE)
+    blank = blank_inputs(real, (rows, width, past), PAGE)
+    assert IncrementalGraphs.key(blank) == IncrementalGraphs.key(real)
+    for f in fields(CallInputs):
+        want, got = getattr(real, f.name), getattr(blank, f.name)
+        assert got.shape == want.shape and got.dtype == want.dtype, f.name
+    cfg = flow.decoder.inference_cfg_rate
+    trash = [2 * TRASH, 2 * TRASH + 1]  # the trash page's rows (both CFG rows) in every block
+    others = [r for r in range(pool.kv.size(1)) if r not in trash]
+    like = blank_inputs(real, (1, WIDTH_BUCKETS[0], 0), PAGE)
+    for w in WIDTH_BUCKETS:
+        for p in PAST_BUCKETS:
+            before = pool.kv[:, others].clone()
+            x, _ = run_cfm(runner.step_fn, pool.kv, blank_inputs(like, (1, w, p), PAGE), cfg, True)
+            assert x.shape == (1, 80, w) and torch.isfinite(x).all()
+            assert torch.equal(pool.kv[:, others], before), (w, p)
+    for c in caches:
+        pool.release(c.pages)

@@ -21,6 +21,8 @@ A voice's prompt chunks that no generated token can reach (the 3-token lookahead
 prompt) are computed once and shared by every stream of that voice (``VoicePages``).
 """
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +142,34 @@ def _plan(items: list[FlowItem], ends: list[int], pool: KVPool) -> _Plan | None:
     return _Plan(news, keeps, pages)
 
 
+def blank_inputs(like: CallInputs, shape: tuple[int, int, int], page: int) -> CallInputs:
+    """A call at ``shape`` = (rows, new frames, past pages) whose rows are all dummies, with the
+    dtypes and feature sizes of ``like``: a graph captured from it before any call meets its bucket
+    (IncrementalGraphs.plan) reads and writes the trash page only."""
+    rows, width, past_pages = shape
+    dev = like.x.device
+    n_pages = -(-width // page)
+
+    def zeros(t: Tensor, *size: int) -> Tensor:
+        return torch.zeros(size, dtype=t.dtype, device=dev)
+
+    def trash(pages: int) -> Tensor:
+        return pool_rows(torch.full((rows, pages), TRASH, dtype=torch.long)).to(dev)
+
+    return CallInputs(
+        x=zeros(like.x, rows, like.x.size(1), width),
+        mask=zeros(like.mask, rows, 1, width),
+        mu=zeros(like.mu, rows, like.mu.size(1), width),
+        spks=zeros(like.spks, rows, like.spks.size(1)),
+        cond=zeros(like.cond, rows, like.cond.size(1), width),
+        read_rows=trash(past_pages + n_pages),
+        attn_mask=zeros(like.attn_mask, ROWS * rows, 1, width, (past_pages + n_pages) * page),
+        tails=zeros(like.tails, like.tails.size(0), ROWS * rows, like.tails.size(2), TAIL),
+        keep=zeros(like.keep, rows),
+        write_rows=trash(n_pages),
+    )
+
+
 def pool_rows(pages: Tensor) -> Tensor:
     """Pages (B, n) -> the pool rows holding them, (ROWS * B * n,) in the estimator's batch order."""
     return torch.cat([pages * ROWS + r for r in range(ROWS)]).flatten()
@@ -229,6 +259,22 @@ class IncrementalFlow:
         if graphs:
             self.graphs = IncrementalGraphs(self.step_fn, pool, cfg_rate, step_graphs=step_graphs)
         self.run_frames = 0  # new frames the calls ran per item, their shape's padding included
+        self._planned_rows: set[int] = set()  # row buckets whose every bucket the graphs capture
+
+    def _plan_row_bucket(self, inputs: CallInputs, rows: int) -> None:
+        """With step graphs on a GPU, the first call of ``rows`` rows has every bucket of that many rows
+        captured (IncrementalGraphs.plan), from blank inputs of this call's dtypes."""
+        if not (self.graphs.step_graphs and inputs.x.is_cuda) or rows in self._planned_rows:
+            return
+        self._planned_rows.add(rows)
+        page = self.pool.page
+        like = blank_inputs(inputs, (1, WIDTH_BUCKETS[0], 0), page)  # dtypes and sizes, little memory
+        blanks = {}
+        for width, past in itertools.product(WIDTH_BUCKETS, PAST_BUCKETS):
+            attn_shape = (ROWS * rows, 1, width, (past + -(-width // page)) * page)
+            build = functools.partial(blank_inputs, like, (rows, width, past), page)
+            blanks[self.graphs.key(inputs, attn_shape)] = build
+        self.graphs.plan(blanks)
 
     @torch.inference_mode()
     def __call__(self, items: list[FlowItem]) -> list[tuple[Tensor, int]] | None:
@@ -257,6 +303,7 @@ class IncrementalFlow:
         try:
             inputs = _inputs(self.flow, items, plan, mu_all, spks, shape, self.pool.page)
             if graphed:
+                self._plan_row_bucket(inputs, shape[0])
                 x, tails = self.graphs.run(inputs)
             else:
                 cfg_rate = self.flow.decoder.inference_cfg_rate

@@ -4,7 +4,9 @@ eagerly; see incremental.py for the call itself. A bucket's graph holds the call
 or (``step_graphs``) one step, replayed ten times."""
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +70,9 @@ class IncrementalGraphs:
     replayed once per step: its capture runs a tenth of the kernels three times and instantiates a
     tenth of the nodes, on the GPU that serving needs (captures beside serving took 6-15 s of a
     256-stream level on an H100), for ten launches a call instead of one and the call's input
-    concatenations made at each step.
+    concatenations made at each step. Cheap enough to capture every bucket of a row size once a call
+    of that size shows the calls' dtypes (``plan``: the warm-up's streams meet every row bucket, and
+    it waits for these captures too), so that no bucket is captured while serving.
     """
 
     def __init__(
@@ -83,6 +87,9 @@ class IncrementalGraphs:
         self.defer, self.step_graphs = defer, step_graphs
         self._graphs: GraphTable[_Graph] = GraphTable()
         self._missed: MissedCalls[CallInputs] = MissedCalls()  # buckets met but not captured
+        # Buckets no call has met yet, to capture from blank inputs (``plan``), and their builders.
+        self._blanks: dict[tuple, Callable[[], CallInputs]] = {}
+        self._blanks_lock = threading.Lock()
         self._pool = None
         self.eager_calls = 0  # calls run eagerly because their bucket had no graph yet
         self.captures = 0  # deferred captures done (or failed)
@@ -91,18 +98,29 @@ class IncrementalGraphs:
     @property
     def missed(self) -> int:
         """Buckets waiting for ``capture_missed``."""
-        return len(self._missed)
+        with self._blanks_lock:
+            return len(self._missed) + len(self._blanks)
+
+    @staticmethod
+    def key(inputs: CallInputs, attn_shape: tuple[int, ...] | None = None) -> tuple:
+        """A call's bucket (its attention mask's shape, or ``attn_shape``) with its dtypes and the
+        autocast it runs under."""
+        shape = tuple(inputs.attn_mask.shape) if attn_shape is None else attn_shape
+        dtypes = (inputs.attn_mask.dtype, inputs.x.dtype, inputs.tails.dtype)
+        return (*shape, *dtypes, autocast_dtype(inputs.x.device))
+
+    def plan(self, blanks: dict[tuple, Callable[[], CallInputs]]) -> None:
+        """Capture these buckets (key: a builder of blank inputs at its shape) once no missed call
+        waits, those captured already left out (step graphs: see the class docstring)."""
+        with self._blanks_lock:
+            for key, build in blanks.items():
+                if key not in self._graphs:
+                    self._blanks.setdefault(key, build)
 
     def run(self, inputs: CallInputs) -> tuple[Tensor, Tensor]:
         if not inputs.x.is_cuda:  # the same steps eagerly, indexed as their graphs would
             return run_cfm(self.step_fn, self.pool.kv, inputs, self.cfg_rate, self.step_graphs)
-        key = (
-            *inputs.attn_mask.shape,
-            inputs.attn_mask.dtype,
-            inputs.x.dtype,
-            inputs.tails.dtype,
-            autocast_dtype(inputs.x.device),
-        )
+        key = self.key(inputs)
         graph = self._graphs.lookup(key)
         if graph is None and (self.defer or key in self._missed.failed):
             self._miss(key, inputs)
@@ -130,30 +148,46 @@ class IncrementalGraphs:
         """Drop every graph and kept input (their flow is stopped for good; the pool frees its own)."""
         self._graphs.clear()
         self._missed.clear()
+        with self._blanks_lock:
+            self._blanks.clear()
 
     def capture_missed(self) -> bool:
-        """Capture one bucket a call met since (under the autocast it ran with); False when none was
-        waiting. One thread calls it, on a CUDA stream of its own, beside the thread that runs the
-        calls. The bucket counts as missed until its capture has ended."""
+        """Capture one bucket a call met since (under the autocast it ran with), or else one
+        ``plan`` holds; False when none was waiting. One thread calls it, on a CUDA stream of its
+        own, beside the thread that runs the calls. The bucket counts as missed until its capture
+        has ended."""
         with self._missed.oldest() as missed:
-            if missed is None:
-                return False
-            key, like = missed
-            dtype = key[-1]
-            started = time.perf_counter()
-            try:
-                with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                    self._capture(key, like)
-            except Exception:  # out of memory, or any other failure: the worker serves on
-                # Its calls stay eager, or replay the graph captured before a compile (not again).
-                log.exception("capturing the incremental flow's graph for %s failed; no more tries", key[:4])
-                self._missed.fail(key)
-            finally:
-                self.captures += 1
-                self.capture_seconds += time.perf_counter() - started
+            if missed is not None:
+                self._capture_timed(*missed)
+                return True
+        with self._blanks_lock:
+            key = next(iter(self._blanks), None)
+            build = self._blanks.get(key)
+        if key is None:
+            return False
+        try:
+            if key not in self._graphs:  # a missed call of the bucket may have come first
+                self._capture_timed(key, build())
+        finally:
+            with self._blanks_lock:
+                self._blanks.pop(key, None)
+        return True
+
+    def _capture_timed(self, key: tuple, like: CallInputs) -> None:
+        dtype = key[-1]
+        started = time.perf_counter()
+        try:
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                self._capture(key, like)
+        except Exception:  # out of memory, or any other failure: the worker serves on
+            # Its calls stay eager, or replay the graph captured before a compile (not again).
+            log.exception("capturing the incremental flow's graph for %s failed; no more tries", key[:4])
+            self._missed.fail(key)
+        finally:
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - started
         if key in self._graphs:
             log.info("incremental flow bucket %s captured in %.2f s", key[:4], time.perf_counter() - started)
-        return True
 
     def _capture(self, key: tuple, like: CallInputs) -> None:
         static = like.empty_like()
