@@ -166,7 +166,8 @@ class IncrementalGraphs:
         if key is None:
             return False
         try:
-            if key not in self._graphs:  # a missed call of the bucket may have come first
+            # a missed call of the bucket may have come first, or its capture failed
+            if key not in self._graphs and key not in self._missed.failed:
                 self._capture_timed(key, build())
         finally:
             with self._blanks_lock:
