@@ -142,6 +142,13 @@ def _plan(items: list[FlowItem], ends: list[int], pool: KVPool) -> _Plan | None:
     return _Plan(news, keeps, pages)
 
 
+def attention_shape(shape: tuple[int, int, int], page: int) -> tuple[int, int, int, int]:
+    """The attention mask's shape of a call at ``shape`` = (rows, new frames, past pages): both CFG
+    rows of each row, its new frames, and as keys its past pages and the new frames' pages."""
+    rows, width, past_pages = shape
+    return ROWS * rows, 1, width, (past_pages + -(-width // page)) * page
+
+
 def blank_inputs(like: CallInputs, shape: tuple[int, int, int], page: int) -> CallInputs:
     """A call at ``shape`` = (rows, new frames, past pages) whose rows are all dummies, with the
     dtypes and feature sizes of ``like``: a graph captured from it before any call meets its bucket
@@ -163,7 +170,7 @@ def blank_inputs(like: CallInputs, shape: tuple[int, int, int], page: int) -> Ca
         spks=zeros(like.spks, rows, like.spks.size(1)),
         cond=zeros(like.cond, rows, like.cond.size(1), width),
         read_rows=trash(past_pages + n_pages),
-        attn_mask=zeros(like.attn_mask, ROWS * rows, 1, width, (past_pages + n_pages) * page),
+        attn_mask=zeros(like.attn_mask, *attention_shape(shape, page)),
         tails=zeros(like.tails, like.tails.size(0), ROWS * rows, like.tails.size(2), TAIL),
         keep=zeros(like.keep, rows),
         write_rows=trash(n_pages),
@@ -271,9 +278,9 @@ class IncrementalFlow:
         like = blank_inputs(inputs, (1, WIDTH_BUCKETS[0], 0), page)  # dtypes and sizes, little memory
         blanks = {}
         for width, past in itertools.product(WIDTH_BUCKETS, PAST_BUCKETS):
-            attn_shape = (ROWS * rows, 1, width, (past + -(-width // page)) * page)
-            build = functools.partial(blank_inputs, like, (rows, width, past), page)
-            blanks[self.graphs.key(inputs, attn_shape)] = build
+            shape = (rows, width, past)
+            build = functools.partial(blank_inputs, like, shape, page)
+            blanks[self.graphs.key(inputs, attention_shape(shape, page))] = build
         self.graphs.plan(blanks)
 
     @torch.inference_mode()
