@@ -65,13 +65,19 @@ class GilSampler:
         self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._started = time.perf_counter()
 
-    def finish(self) -> None:
-        """End the window: py-spy writes its file when interrupted."""
-        if self._proc is None:
+    def stop(self) -> None:
+        """End the window now (py-spy stops sampling when interrupted); ``finish`` waits for its file."""
+        if self._proc is None or self._seconds:
             return
         self._seconds = time.perf_counter() - self._started
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGINT)
+
+    def finish(self) -> None:
+        """End the window if ``stop`` has not, and wait for py-spy to write its file."""
+        if self._proc is None:
+            return
+        self.stop()
         try:
             _, err = self._proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -79,6 +85,7 @@ class GilSampler:
             _, err = self._proc.communicate()
         if self._proc.returncode not in (0, -signal.SIGINT) or not self._out.stat().st_size:
             self._error = f"py-spy ended with {self._proc.returncode}: {err.strip()[-300:]}"
+        self._proc = None
 
     def summary(self) -> dict:
         """The window's lock holders (``holders``), or why there are none."""
