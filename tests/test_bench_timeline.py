@@ -7,7 +7,7 @@ import pytest
 
 from cosyapp.bench.__main__ import parse_args
 from cosyapp.bench.gil import holders
-from cosyapp.bench.report import gil_line, timeline_line
+from cosyapp.bench.report import gil_line, timeline_line, where_line
 from cosyapp.bench.run import level_timeline
 from cosyapp.bench.timeline import Timeline, category, summarise, thread_names
 
@@ -92,12 +92,20 @@ def _spin(stop: threading.Event) -> None:
         n += 1
 
 
+def _sleep(stop: threading.Event) -> None:
+    """A thread that waits without the interpreter lock nearly all the time."""
+    while not stop.is_set():
+        time.sleep(0.01)
+
+
 def test_without_cuda_the_window_samples_the_lock():
     """No trace without CUDA, but py-spy's samples of this process: a thread running pure Python
     holds the lock most of the window, in its own function."""
     stop = threading.Event()
     spinner = threading.Thread(target=_spin, args=(stop,), name="spinner")
+    sleeper = threading.Thread(target=_sleep, args=(stop,), name="sleeper")
     spinner.start()
+    sleeper.start()
     try:
         timeline = Timeline(start_s=0.0, window_s=1.5)
         timeline.start()
@@ -106,6 +114,7 @@ def test_without_cuda_the_window_samples_the_lock():
     finally:
         stop.set()
         spinner.join()
+        sleeper.join()
     got = timeline.summary()
     assert got["error"] == "no CUDA device: nothing to trace"
     gil = got["gil"]
@@ -114,6 +123,14 @@ def test_without_cuda_the_window_samples_the_lock():
     assert held["share"] > 0.5 and held["share"] == max(t["share"] for t in gil["threads"].values())
     assert next(iter(held["top"])) == "_spin (test_bench_timeline.py)"
     assert "interpreter lock held" in timeline_line(got) and "spinner" in timeline_line(got)
+    # The sleeper never holds the lock, but the window's stacks find it, in its own function, in
+    # nearly every sample, as they find the spinner.
+    assert gil["threads"].get("sleeper", {"share": 0.0})["share"] < 0.05
+    stacks = got["stacks"]
+    assert stacks["window_s"] >= 1.5
+    for name, leaf in (("sleeper", "_sleep"), ("spinner", "_spin")):
+        assert stacks["threads"][name]["share"] > 0.5
+        assert next(iter(stacks["threads"][name]["top"])) == f"{leaf} (test_bench_timeline.py)"
 
 
 def test_a_level_that_ends_first():
@@ -124,6 +141,7 @@ def test_a_level_that_ends_first():
     assert timeline.summary() == {
         "error": "the level ended before its window began",
         "gil": {"error": "not started"},
+        "stacks": {"error": "not started"},
     }
 
 
@@ -131,7 +149,7 @@ def test_lock_holders_from_raw_samples():
     raw = "\n".join([
         "thread (101): token2wav;run (threading.py:1010);work (cached.py:119);past_and_new (inc.py:140) 30",
         "thread (101): token2wav;run (threading.py:1010);work (cached.py:119);past_and_new (inc.py:141) 10",
-        "thread (101): token2wav;run (threading.py:1010);plan (flow_steps.py:57) 20",
+        "thread (101): token2wav;run (threading.py:1010);plan (cosyapp/steps.py:57);cat (torch/x.py:3) 20",
         "thread (7);select (selectors.py:415) 5",
         "a line py-spy does not write",
     ])  # fmt: skip
@@ -141,8 +159,12 @@ def test_lock_holders_from_raw_samples():
         "expected": 100,
         "held_share": 0.65,
         "threads": {
-            "token2wav": {"share": 0.6, "top": {"past_and_new (inc.py)": 0.4, "plan (flow_steps.py)": 0.2}},
-            "thread 7": {"share": 0.05, "top": {"select (selectors.py)": 0.05}},
+            "token2wav": {
+                "share": 0.6,
+                "top": {"past_and_new (inc.py)": 0.4, "cat (torch/x.py)": 0.2},
+                "own": {"plan (cosyapp/steps.py:57)": 0.2},
+            },
+            "thread 7": {"share": 0.05, "top": {"select (selectors.py)": 0.05}, "own": {}},
         },
     }  # fmt: skip
     line = gil_line(got | {"window_s": 5.0})
@@ -151,6 +173,9 @@ def test_lock_holders_from_raw_samples():
         "thread 7 5 % (select (selectors.py))"
     )
     assert gil_line({"error": "py-spy not found"}) == "; interpreter lock: py-spy not found"
+    # where the worker's threads were: the flow thread's innermost line of the project's code
+    assert where_line(got) == "; where: token2wav plan (cosyapp/steps.py:57) 20 %"
+    assert where_line({"error": "py-spy not found"}) == ""
 
 
 def test_options():

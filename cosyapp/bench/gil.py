@@ -31,6 +31,7 @@ from pathlib import Path
 
 RATE = 200  # samples a second
 TOP = 5  # functions named per thread
+OWN = "(cosyapp/"  # a frame of this project's code, as py-spy names its file
 # Linux's prctl option that lets any process trace this one (Yama's ptrace_scope 1 allows only a
 # process's ancestors, and py-spy is this process's child).
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF)
@@ -40,10 +41,15 @@ LINE_NUMBER = re.compile(r":\d+\)$")
 
 
 class GilSampler:
-    """``start`` a window, ``finish`` it (blocking: off the event loop), then ``summary``."""
+    """``start`` a window, ``finish`` it (blocking: off the event loop), then ``summary``.
 
-    def __init__(self, rate: int = RATE):
-        self.rate = rate
+    ``held_only`` False samples every thread at every sample (py-spy's ``--idle`` instead of
+    ``--gil``): where each thread spent the window, running or waiting, which tells a thread slow to
+    launch its kernels (HiFT's, 400-480 ms at 64 streams on an H200 while the lock was free most of
+    the window: docs/benchmarks/README.md, twelfth round) where it was meanwhile."""
+
+    def __init__(self, rate: int = RATE, held_only: bool = True):
+        self.rate, self.held_only = rate, held_only
         self._proc: subprocess.Popen | None = None
         self._out: Path | None = None
         self._started = 0.0
@@ -60,7 +66,8 @@ class GilSampler:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
         with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as file:
             self._out = Path(file.name)
-        command = [spy, "record", "--pid", str(os.getpid()), "--gil", "--threads", "--nonblocking"]
+        which = "--gil" if self.held_only else "--idle"
+        command = [spy, "record", "--pid", str(os.getpid()), which, "--threads", "--nonblocking"]
         command += ["--format", "raw", "--rate", str(self.rate), "--output", str(self._out)]
         self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._started = time.perf_counter()
@@ -100,16 +107,22 @@ class GilSampler:
 
 
 def holders(raw: str, expected: float) -> dict:
-    """py-spy's raw samples (``--gil --threads --format raw``) summed up per thread: the share of the
-    ``expected`` samples in which it held the lock, and its innermost functions then (file, no line)."""
+    """py-spy's raw samples (``--gil`` or ``--idle``, ``--threads --format raw``) summed up per thread:
+    the share of the ``expected`` samples it is in (held the lock, or was anywhere), its innermost
+    functions then (file, no line), and its innermost frames in this project's code (``own``: file and
+    line, so a torch call's caller shows)."""
     threads: dict[str, Counter] = defaultdict(Counter)
+    own: dict[str, Counter] = defaultdict(Counter)
     for line in raw.splitlines():
         match = LINE.match(line.strip())
         if match is None:
             continue
         name = match["name"] or f"thread {match['id']}"
-        leaf = match["stack"].rsplit(";", 1)[-1]
-        threads[name][LINE_NUMBER.sub(")", leaf)] += int(match["count"])
+        frames = match["stack"].split(";")
+        threads[name][LINE_NUMBER.sub(")", frames[-1])] += int(match["count"])
+        ours = [frame for frame in frames if OWN in frame]
+        if ours:
+            own[name][ours[-1]] += int(match["count"])
     expected = max(expected, 1.0)
     held = sum(sum(c.values()) for c in threads.values())
     return {
@@ -120,6 +133,7 @@ def holders(raw: str, expected: float) -> dict:
             name: {
                 "share": round(sum(c.values()) / expected, 4),
                 "top": {f: round(n / expected, 4) for f, n in c.most_common(TOP)},
+                "own": {f: round(n / expected, 4) for f, n in own[name].most_common(TOP)},
             }
             for name, c in sorted(threads.items(), key=lambda kv: -sum(kv[1].values()))
         },

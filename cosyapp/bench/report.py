@@ -71,7 +71,7 @@ def _ms(seconds: float | None) -> str:
 def timeline_line(traced: dict) -> str:
     """A level's GPU timeline (timeline.py) in one line: the busy and overlapping shares of its
     window, each stream's share with its main launching thread, then the interpreter lock's holders."""
-    gil = gil_line(traced.get("gil"))
+    gil = gil_line(traced.get("gil")) + where_line(traced.get("stacks"))
     if traced.get("error") or not traced.get("kernels"):
         return f"GPU timeline: {traced.get('error') or 'no kernels in the window'}{gil}"
     streams = ", ".join(
@@ -86,6 +86,24 @@ def timeline_line(traced: dict) -> str:
         f"two streams at once {100 * traced['overlap_share']:.0f} %; by stream: {streams}; "
         f"CUDA calls by thread: {host}{gil}"
     )
+
+
+# The worker's threads whose whereabouts a level's line names (timeline.py's ``stacks``).
+WATCHED = ("token2wav-hift", "token2wav")
+
+
+def where_line(stacks: dict | None) -> str:
+    """Where the worker's threads (WATCHED) were in a timeline's window, as the line's last part: each
+    one's three innermost lines of this project's code it was found in most, running or waiting."""
+    if not stacks or stacks.get("error"):
+        return ""
+    found = [(name, stacks["threads"][name]) for name in WATCHED if name in stacks["threads"]]
+    parts = [
+        f"{name} " + ", ".join(f"{frame} {100 * share:.0f} %" for frame, share in list(t["own"].items())[:3])
+        for name, t in found
+        if t["own"]
+    ]
+    return f"; where: {'; '.join(parts)}" if parts else ""
 
 
 def gil_line(gil: dict | None) -> str:

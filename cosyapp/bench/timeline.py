@@ -18,7 +18,8 @@ LM's decode steps share one GPU (vLLM's engine core runs in another process unle
   most, by API. A launch waits when the device's launch queue is full, and a synchronising call for
   the device's work, so a thread whose launches take long was held by the GPU, not by its Python;
 - which threads held the interpreter lock, and in which functions (``gil``: gil.py), so a thread
-  held neither by the device nor by its CUDA calls shows whom it waited for.
+  held neither by the device nor by its CUDA calls shows whom it waited for; and where every thread
+  was, running or waiting (``stacks``), down to its innermost line of this project's code.
 
 Recording starts ``start_s`` into the level and lasts ``window_s``; the trace is read and summed up
 after the level, so only the recording's own cost (CUPTI's activity records, the device sync at the
@@ -70,7 +71,8 @@ class Timeline:
     window if the level was shorter), then ``summary``. The profiler runs on a thread of its own, so
     neither its start nor its stop (which waits for the device) holds the event loop; the trace is
     read only in ``summary``, after the level. In the same window py-spy samples which thread holds
-    the interpreter lock (gil.py), with or without CUDA; without, there is no trace and it says so."""
+    the interpreter lock (gil.py), and where every thread is, with or without CUDA; without, there is
+    no trace and it says so."""
 
     def __init__(self, start_s: float = 3.0, window_s: float = 3.0):
         self.start_s, self.window_s = start_s, window_s
@@ -81,6 +83,7 @@ class Timeline:
         self._thread: threading.Thread | None = None
         self._cuda = False
         self.gil = GilSampler()
+        self.stacks = GilSampler(held_only=False)
 
     def start(self) -> None:
         import torch
@@ -101,6 +104,7 @@ class Timeline:
         if self._stop.wait(self.start_s):
             return  # the level ended first
         self.gil.start()
+        self.stacks.start()
         prof = None
         try:
             prof = self._start_trace() if self._cuda else None
@@ -110,9 +114,11 @@ class Timeline:
             # CUPTI's records holding the lock for seconds (an H200 run at 64 streams: 46 % of a
             # 9.1 s window was the profiler's own exit), which is the recording's cost, not the level's.
             self.gil.stop()
+            self.stacks.stop()
             if prof is not None:
                 self._stop_trace(prof)
             self.gil.finish()
+            self.stacks.finish()
 
     def _start_trace(self):
         from torch.profiler import ProfilerActivity, profile
@@ -141,8 +147,8 @@ class Timeline:
 
     def summary(self) -> dict:
         """The window summed up (``summarise``), or why there is none, with the interpreter lock's
-        holders in it (``gil``, gil.py)."""
-        return self._trace_summary() | {"gil": self.gil.summary()}
+        holders in it (``gil``, gil.py) and where every thread was (``stacks``)."""
+        return self._trace_summary() | {"gil": self.gil.summary(), "stacks": self.stacks.summary()}
 
     def _trace_summary(self) -> dict:
         if self._prof is None:
