@@ -9,7 +9,11 @@
 # step (the incremental step and the whole-clip forward compiled whole, against eager),
 # step-autotune (the same in max-autotune mode), whole (whole-clip variants), hift (--compile-hift),
 # hift-cold (eager HiFT's first call at batch sizes not run before, against its second), hift-beside
-# (HiFT's first-chunk call beside a flow call and other neighbours, its launches traced).
+# (HiFT's first-chunk call beside a flow call and other neighbours, its launches traced), start (the
+# engine's start as served, --compile-flow included, with the PyTorch LM instead of vLLM, then one
+# 1-stream level: every thread's stack dumped each minute without progress; an H200's start with
+# vLLM logged nothing after its 48-row warm-up buckets for 3.7 min, docs/benchmarks/README.md,
+# twelfth round; needs .gpu-wheels/).
 # SECONDS: the experiment's time limit (default 480), so the call returns what it measured: the
 # scripts rewrite their JSON after every row. Writes NAME.json, NAME.log and inductor.tgz.NN (the
 # compiled kernels; put back in .gpu-carry/, a later run starts from them) to $OUT.
@@ -20,7 +24,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 source scripts/gpu-caches.sh
 unpack_cache inductor "$TORCHINDUCTOR_CACHE_DIR"
-name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift, hift-cold or hift-beside}
+name=${1:?an experiment: precompile, serve, blocks, step, step-autotune, whole, hift, hift-cold, hift-beside or start}
 limit=${2:-480}
 whole_variants=no_mask,no_mask_half_layer_norms,no_mask_compiled_forward
 case "$name" in
@@ -38,6 +42,12 @@ whole) run=(env FLOW_PROFILE_BATCHES= FLOW_PROFILE_WHOLE=23,64 FLOW_PROFILE_WHOL
 hift) run=(python scripts/hift_speed.py "$OUT/$name.json") ;;
 hift-cold) run=(env HIFT_SPEED_COLD=1 python scripts/hift_speed.py "$OUT/$name.json") ;;
 hift-beside) run=(python scripts/hift_beside.py "$OUT/$name.json") ;;
+start)
+    # the frontend's wheels only (scripts/gpu-env.sh would unpack vLLM too)
+    mkdir -p /tmp/site && python -m pip install -q --no-deps --target /tmp/site .gpu-wheels/*.whl
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    run=(python -m cosyapp.bench --full-size --engine torch --drivers pipeline --texts tokens --tokens 260
+        --modes stream --clients 1 --stall-dump-s 60 --workdir /tmp/bench --out "$OUT/$name.json") ;;
 *) echo "unknown experiment: $name" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
