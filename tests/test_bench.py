@@ -126,6 +126,10 @@ def test_batch_histograms_sum_to_their_samples_and_stage_times_are_counted(smoke
         assert stages["flow_calls"] >= 1 and stages["hift_calls"] >= 1
         assert 0 < stages["flow_s"] + stages["hift_s"] <= level["wall_s"]
         assert stages["flow_ms_per_call"] == pytest.approx(1000 * stages["flow_s"] / stages["flow_calls"])
+        # HiFT's launches: inside its calls, and the launching thread's CPU time inside the launches
+        # (on a CPU a launch computes, so it used CPU; a thread's CPU time never passes its wall time)
+        assert 0 < stages["hift_launch_cpu_s"] <= stages["hift_launch_s"] + 0.001 * stages["hift_calls"]
+        assert stages["hift_launch_s"] <= stages["hift_s"]
         assert stages["lm_tokens"] == level["clients"] * result["texts"]["short"]["speech_tokens"]
         # each stage's last progress lies inside the level, the LM's before the vocoder's last call
         last = level["stage_last_s"]

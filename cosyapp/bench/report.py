@@ -120,6 +120,13 @@ def gil_line(gil: dict | None) -> str:
     return f"; interpreter lock held {100 * gil['held_share']:.0f} % of {gil['window_s']:.1f} s: {threads}"
 
 
+def _launches(stages: dict) -> str:
+    """HiFT's launches in wall and CPU time, where the level has them (levels before had not)."""
+    if "hift_launch_s" not in stages:
+        return ""
+    return f"; launches {stages['hift_launch_s']:.2f} s, {stages['hift_launch_cpu_s']:.2f} s of CPU"
+
+
 def _longest_api(calls: dict) -> str:
     """The API of a thread's longest CUDA call, where the trace says which (``api_longest_ms``)."""
     longest = calls.get("api_longest_ms")
@@ -151,7 +158,7 @@ def row(level: dict) -> str:
         parts.append(
             f"batch LM<={level['lm_max_batch']} flow<={level['flow_max_batch']} "
             f"HiFT<={level['hift_max_batch']}  flow {stages['flow_s']:.2f} s ({stages['flow_calls']} calls) "
-            f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']})"
+            f"HiFT {stages['hift_s']:.2f} s ({stages['hift_calls']}" + _launches(stages) + ")"
         )
         last = level.get("stage_last_s") or {}
         if last.get("lm") and stages.get("lm_tokens"):

@@ -260,6 +260,9 @@ def stage_times(
         "hift_calls": hift_calls,
         "hift_s": hift_s,
         "hift_ms_per_call": 1000 * hift_s / hift_calls if hift_calls else None,
+        # HiFT's launches (Token2WavStats): wall time, and the launching thread's CPU time in it
+        "hift_launch_s": t2w1.hift_launch_seconds - t2w0.hift_launch_seconds,
+        "hift_launch_cpu_s": t2w1.hift_launch_cpu_seconds - t2w0.hift_launch_cpu_seconds,
         "eager_flow_calls": t2w1.eager_flow_calls - t2w0.eager_flow_calls,
         "graph_captures": t2w1.graph_captures - t2w0.graph_captures,
         "graph_capture_s": t2w1.graph_capture_seconds - t2w0.graph_capture_seconds,

@@ -19,6 +19,11 @@ class Token2WavStats:
     overlapped_steps: int = 0  # steps whose incremental call ran beside recompute calls (flow_overlap)
     hift_calls: int = 0
     hift_seconds: float = 0.0
+    # Of those: from a call's start to its last kernel launched, in wall time and in the launching
+    # thread's CPU time. Launches far longer than their CPU time waited: for the interpreter lock, a
+    # lock, or the driver (docs/benchmarks/README.md, twelfth round).
+    hift_launch_seconds: float = 0.0
+    hift_launch_cpu_seconds: float = 0.0
     # The incremental flow's CUDA graphs: calls that ran eagerly for want of their bucket's graph,
     # and the deferred captures (made while the worker had nothing queued) with their time.
     eager_flow_calls: int = 0

@@ -2,6 +2,7 @@
 equal mel length, then each stream's cross-fade and delivery. It runs on the HiFT thread (or, without
 overlap_hift, on the flow thread after each flow step)."""
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,14 @@ class Vocoding:
         generators = [job.stream.generator for job, _ in group]
         noise_states = [g.get_state() for g in generators]
         jobs = [job for job, _ in group]
-        started = stamp(jobs, "hift_start")
+        started, cpu = stamp(jobs, "hift_start"), time.thread_time()
         try:
             speech, source = self._hift(group)
             # Every kernel is launched: the wait for the device and the copy to the CPU follow, so the
             # two stamps split the host's share of the call (eager launches that share the interpreter
             # lock with the flow thread and the event loop) from the device's.
-            stamp(jobs, "hift_launched")
+            self.stats.hift_launch_cpu_seconds += time.thread_time() - cpu
+            self.stats.hift_launch_seconds += stamp(jobs, "hift_launched") - started
             speech = speech.cpu()  # the device work is done past here
         except Exception:
             for generator, state in zip(generators, noise_states, strict=True):
