@@ -95,11 +95,15 @@ class GilSampler:
         self._proc = None
 
     def summary(self) -> dict:
-        """The window's lock holders (``holders``), or why there are none."""
+        """The window's lock holders (``holders``), or with ``held_only`` False where every thread was
+        (without ``held_share``: every thread is in every sample, so the shares add up past 1), or
+        why there are none."""
         try:
             if self._error is not None or self._out is None:
                 return {"error": self._error or "not started"}
             held = holders(self._out.read_text(), self.rate * self._seconds)
+            if not self.held_only:
+                del held["held_share"]
             return held | {"window_s": round(self._seconds, 3)}
         finally:
             if self._out is not None:
