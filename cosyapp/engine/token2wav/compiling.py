@@ -263,6 +263,11 @@ class _CompileThread:
             self._hooks = [*live, (weakref.WeakMethod(hook), family)]
 
     @property
+    def outstanding(self) -> int:
+        """Compile requests submitted and not yet done (their recaptures included)."""
+        return self._outstanding
+
+    @property
     def settled(self) -> bool:
         """No compile waiting or running, and the graphs recaptured after the last one."""
         return self._outstanding == 0

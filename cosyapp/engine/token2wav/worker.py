@@ -194,11 +194,25 @@ class Token2Wav:
         while self.pending_captures:
             await asyncio.sleep(0.01)
 
-    async def compiles_settled(self) -> None:
+    async def compiles_settled(self, note_s: float = 30.0) -> None:
         """Return once --compile-flow's compiles of the calls met so far and the captures after them are
-        done (compiling.py): benchmarks of the compiled flow wait here, serving does not."""
+        done (compiling.py): benchmarks of the compiled flow wait here, serving does not. A wait logs
+        what it waits for every ``note_s``: from a cold inductor cache the estimator's compile alone
+        took 213 s on an H100, and a wait that said nothing was once read as a hung start."""
+        started = noted = time.monotonic()
         while not COMPILER.settled or self.pending_captures:
             await asyncio.sleep(0.05)
+            if time.monotonic() - noted >= note_s:
+                noted = time.monotonic()
+                c = COMPILER.counters()
+                logger.info(
+                    "waiting %.0f s for the compile thread: %d compiled in %.0f s, %d to go; %d captures",
+                    noted - started,
+                    c["flow_compiles"],
+                    c["flow_compile_seconds"],
+                    COMPILER.outstanding,
+                    self.pending_captures,
+                )
 
     def stats(self) -> Token2WavStats:
         """A snapshot of the counters."""
