@@ -91,6 +91,10 @@ class ServeOptions:
         step does, so larger calls that get more work through sooner serve every stream better (the
         last chunks' recomputes ran in calls of 23 at 256 streams on an H100). 0: as
         step_frames_per_row. A benchmark variant field.
+    max_batch_per_call: max_batch bounds the rows of each of a step's flow calls (its incremental
+        call, each recompute call) instead of the step's jobs in all (engine/token2wav/scheduler.py):
+        at 256 streams on an H100 most flow calls had 21-33 rows with four times the served padded
+        bound, where calls of 64 cost less per row. A benchmark variant field.
     flow_overlap: on a GPU, a token2wav step's incremental flow call on a CUDA stream of its own beside
         the step's recompute calls (engine/token2wav/worker.py ``_flow``). Off: on an H100 it removed
         the 64-stream underruns but gave 15 % less audio at 128 streams (docs/benchmarks/README.md).
@@ -151,6 +155,7 @@ class ServeOptions:
     step_frames_per_row: int = 250
     whole_step_frames_per_row: int = 250
     late_step_frames_per_row: int = 0
+    max_batch_per_call: bool = False
     flow_overlap: bool = False
     token2wav_priority: int = 0
     hift_first: bool = True

@@ -78,3 +78,36 @@ def test_a_step_led_by_a_stream_dry_for_a_second_reaches_the_late_bound(loop):
     plain = JobQueue(8, 500, recompute_cost)
     finals(plain, lambda: zero_stream(dry_in=-1.5))
     assert len(plain.take()) == 2 and plain.counters()["late_steps"] == 0
+
+
+def test_max_batch_bounds_each_flow_call_with_max_batch_per_call(loop):
+    def chunks(queue, finalize, count):  # 240 padded frames each, one stream each
+        jobs = [_job(loop, zero_stream(dry_in=0.5), 100, finalize=finalize) for _ in range(count)]
+        for job in jobs:
+            queue.put(job)
+        return jobs
+
+    def calls(batch):  # rows per flow call (the cost's group)
+        return sorted(sum(1 for job in batch if job.finalize == f) for f in (False, True))
+
+    # Without it, max_batch bounds the step's jobs: 4 of the 8, whichever calls they join.
+    plain = JobQueue(4, 10_000, recompute_cost)
+    chunks(plain, False, 4), chunks(plain, True, 4)
+    assert len(plain.take()) == 4 and len(plain.take()) == 4
+    # With it, each call's rows: 4 middle chunks and 4 last chunks in one step, as two calls of 4.
+    queue = JobQueue(4, 10_000, recompute_cost, max_batch_per_call=True)
+    chunks(queue, False, 4), chunks(queue, True, 4)
+    assert calls(queue.take()) == [4, 4] and len(queue) == 0
+    # A call never passes max_batch rows: 6 last chunks go as 4, then 2, and a stream left behind
+    # keeps its later job for the next step.
+    jobs = chunks(queue, True, 6)
+    later = _job(loop, jobs[5].stream, 100, finalize=True)
+    queue.put(later)
+    assert calls(queue.take()) == [0, 4]
+    assert queue.take() == [jobs[4], jobs[5], later]  # the rounds of one step run them in turn
+    # The padded bound still holds per call: 4 x 240 within 1000, a fifth would pass it.
+    bounded = JobQueue(8, 1000, recompute_cost, max_batch_per_call=True)
+    chunks(bounded, False, 4), chunks(bounded, True, 4)
+    assert calls(bounded.take()) == [4, 4]
+    chunks(bounded, True, 5)
+    assert calls(bounded.take()) == [0, 4]

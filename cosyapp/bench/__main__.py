@@ -57,6 +57,7 @@ VARIANT_FIELDS = (
     "step_frames_per_row",
     "whole_step_frames_per_row",
     "late_step_frames_per_row",
+    "max_batch_per_call",
     "text_lanes",
     "compile_flow",
 )

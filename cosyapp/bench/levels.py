@@ -121,6 +121,7 @@ def _worker(pipeline: Pipeline) -> dict:
             "step_frames": t2w.step_frames,
             "whole_step_frames": t2w.whole_step_frames or t2w.step_frames,
             "late_step_frames": t2w.late_step_frames or t2w.step_frames,
+            "max_batch_per_call": t2w.max_batch_per_call,
             "flow_cache": t2w.cached is not None,
             "flow_cache_pages": t2w.cached.pool.pages if t2w.cached is not None else 0,
             "flow_cache_inputs": t2w.cached is not None and t2w.cached.pool.inputs,

@@ -184,6 +184,7 @@ def token2wav_settings(device: torch.device, options: ServeOptions) -> dict:
         step_frames=options.max_batch * options.step_frames_per_row,
         whole_step_frames=options.max_batch * options.whole_step_frames_per_row,
         late_step_frames=options.max_batch * options.late_step_frames_per_row or None,
+        max_batch_per_call=options.max_batch_per_call,
         overlap_hift=options.overlap_hift and on_gpu,  # on a CPU both stages share the same cores
         flow_overlap=options.flow_overlap and on_gpu,
         stream_priority=options.token2wav_priority,

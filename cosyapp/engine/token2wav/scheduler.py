@@ -8,9 +8,14 @@ submission plus ``WHOLE_SLACK_S``: streams about to run dry go first, and no who
 ever behind streams, whose deadlines move on as they are served.
 
 A step takes jobs in deadline order while the padded size of the flow call each joins (rows x the
-longest job's frames, per flow group) stays within ``step_frames``. The first job always fits, so a
-huge job runs in a step of its own instead of padding a whole batch of small ones to its length,
-and the next step is never further away than one bounded call (docs/model.md §8.6). A stream's
+longest job's frames, per flow group) stays within ``step_frames``, ``max_batch`` jobs at most; with
+``max_batch_per_call``, ``max_batch`` rows in each flow call instead, so a step of incremental
+chunks and last-chunk recomputes may hold ``max_batch`` of each (at 256 streams on an H100 most
+flow calls had 21-33 rows with four times the served padded bound: docs/benchmarks/README.md,
+thirteenth round). The
+first job always fits, so a huge job runs in a step of its own instead of padding a whole batch of
+small ones to its length, and the next step is never further away than one bounded call
+(docs/model.md §8.6). A stream's
 jobs stay in order: once one is left for a later step, so are the stream's later jobs. While no
 stream streams (none opened, ``open``, is live, and none ended in the last ``WHOLE_GRACE_S``: a
 streaming request opens each sentence's stream as the one before ends), only whole clips wait and no
@@ -95,8 +100,10 @@ class JobQueue:
         whole_grace_s: float = WHOLE_GRACE_S,
         fill_s: float = 0.0,
         late_step_frames: int | None = None,
+        max_batch_per_call: bool = False,
     ):
         self.max_batch, self.step_frames, self.cost = max_batch, step_frames, cost
+        self.max_batch_per_call = max_batch_per_call
         self.whole_step_frames = whole_step_frames or step_frames
         self.late_step_frames = late_step_frames or step_frames
         self.late_steps = 0  # steps whose bound was late_step_frames (a late job first)
@@ -262,14 +269,14 @@ class JobQueue:
         left_behind: set[int] = set()  # streams with a job left for a later step
         for i in order:
             job = self._jobs[i]
-            if len(batch) == self.max_batch:
+            if len(batch) == self.max_batch and not self.max_batch_per_call:
                 break
             if id(job.stream) in left_behind:
                 continue
             group, frames = self.cost(job)
             rows, longest = groups.get(group, (0, 0))
             rows, longest = rows + 1, max(longest, frames)
-            if batch and rows * longest > bound:
+            if batch and (rows * longest > bound or rows > self.max_batch):
                 left_behind.add(id(job.stream))
                 continue
             groups[group] = (rows, longest)

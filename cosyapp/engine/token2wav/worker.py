@@ -68,7 +68,8 @@ class Token2Wav:
     their next chunk (scheduler.py). step_frames: the padded rows x frames one step's flow call may
     reach (scheduler.py; None: max_batch x ServeOptions.step_frames_per_row), whole_step_frames while no
     stream streams (None: step_frames), late_step_frames while the most urgent job's stream has been dry
-    for a second (None: step_frames). fill_ms: how long a step with no urgent job waits for more
+    for a second (None: step_frames); max_batch_per_call: max_batch bounds each flow call's rows
+    instead of the step's jobs (scheduler.py). fill_ms: how long a step with no urgent job waits for more
     (scheduler.py; 0: never). overlap_hift: HiFT on
     its own thread (and CUDA stream) beside the next flow step (module docstring). stream_priority:
     of those CUDA streams (0, or -1 before the LM's); hift_first: HiFT's one priority above the flow's.
@@ -94,6 +95,7 @@ class Token2Wav:
         step_frames: int | None = None,
         whole_step_frames: int | None = None,
         late_step_frames: int | None = None,
+        max_batch_per_call: bool = DEFAULTS.max_batch_per_call,
         fill_ms: float = DEFAULTS.fill_ms,
         overlap_hift: bool = False,
         stream_priority: int = DEFAULTS.token2wav_priority,
@@ -112,6 +114,7 @@ class Token2Wav:
         self.step_frames = step_frames or max_batch * DEFAULTS.step_frames_per_row
         self.whole_step_frames = whole_step_frames  # None: the queue keeps to step_frames
         self.late_step_frames = late_step_frames  # None: the queue keeps to step_frames
+        self.max_batch_per_call = max_batch_per_call
         self.gather_s, self.expect_s, self.fill_s = gather_ms / 1000, expect_ms / 1000, fill_ms / 1000
         self._stats = Token2WavStats()
         self.flow = FlowSteps(model, autocast_dtype, self._stats, flow_overlap, stream_priority)
@@ -135,7 +138,11 @@ class Token2Wav:
 
     def _new_queue(self) -> JobQueue:
         waits = {"expect_s": self.expect_s, "fill_s": self.fill_s}
-        bounds = {"whole_step_frames": self.whole_step_frames, "late_step_frames": self.late_step_frames}
+        bounds = {
+            "whole_step_frames": self.whole_step_frames,
+            "late_step_frames": self.late_step_frames,
+            "max_batch_per_call": self.max_batch_per_call,
+        }
         return JobQueue(self.max_batch, self.step_frames, self.flow.cost, self.gather_s, **waits, **bounds)
 
     @property
