@@ -251,3 +251,26 @@ def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
 
     stats = loop.run_until_complete(body())
     assert stats.max_flow_batch == 4 and stats.jobs_done > 0
+
+
+def test_the_warm_up_makes_its_streams_first_chunks_in_one_incremental_call(parts, loop):
+    """Every row bucket up to max_batch is met at the start: the streams of a group make each chunk
+    together. (Given all their tokens at once, a stream queued its four chunks together, and a step's
+    max_batch jobs held about a quarter as many streams: at max_batch 64 no incremental call passed
+    19 rows on the tiny model.)"""
+    model, text, _ = parts
+
+    async def body():
+        # Recomputes of the warm-up's 670-frame jobs go 2 a call within 8 x 250 padded frames, so a
+        # flow call of 8 is an incremental one.
+        token2wav = Token2Wav(model, max_batch=8, flow_cache_bytes=64 << 20)
+        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), token2wav)
+        await pipeline.start(warm_up=True)
+        try:
+            return token2wav.stats()
+        finally:
+            await pipeline.shutdown()
+
+    stats = loop.run_until_complete(body())
+    assert stats.flow_cache_fallbacks == 0 and stats.incremental_jobs == 3 * (1 + 2 + 4 + 8)
+    assert stats.max_flow_batch == 8

@@ -187,11 +187,9 @@ class Pipeline(ServingFront):
     async def warm_up_token2wav(self) -> None:
         """Streaming token2wav for as many streams at once as each row bucket of the incremental flow
         (flow_cache.BATCH_BUCKETS) up to max_batch, and whole clips for 1, 2, 4, ... up to max_batch (in
-        steps as large as the worker's step_frames allows).
-
-        A 10.4 s sentence, so streams go through first, middle (100-token) and final chunks, and the
-        incremental flow's graphs of those shapes are captured here rather than during requests: the
-        worker captures them between steps, and this waits until it has."""
+        steps as large as the worker's step_frames allows). A 10.4 s sentence: streams go through
+        first, middle (100-token) and final chunks, whose incremental graphs are captured here
+        rather than during requests (between steps; this waits until they are)."""
         g = torch.Generator().manual_seed(0)
         prompt = PromptInputs(
             text_ids=torch.zeros(1, dtype=torch.long),
@@ -202,10 +200,18 @@ class Pipeline(ServingFront):
         tokens = torch.randint(0, 6561, (260,), generator=g).tolist()
 
         async def streamed() -> None:
-            async def feed():
-                yield tokens
+            stream = self.token2wav.open_stream(prompt, streaming=True, seed=0)
 
-            async for _ in self.token2wav.open_stream(prompt, streaming=True, seed=0).run(feed()):
+            async def feed():
+                # A token at a time once the chunks so far are done: each chunk's step has `batch`
+                # rows. All at once, a step's max_batch jobs held a stream's 4 chunks: 1/4 the rows.
+                for token in tokens:
+                    pending = [future for future in stream.futures if not future.done()]
+                    if pending:
+                        await asyncio.wait(pending)
+                    yield [token]
+
+            async for _ in stream.run(feed()):
                 pass
 
         for batch, whole in warm_up_batches(self.token2wav.max_batch):
