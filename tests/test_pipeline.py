@@ -236,20 +236,25 @@ def test_the_warm_up_streams_at_every_row_bucket_and_makes_whole_clips_at_powers
     assert warm_up_batches(20) == powers
 
 
-def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
+def _warmed_up(parts, loop, **token2wav):
+    """The stats of a Token2Wav(**token2wav) after a Pipeline's start with its warm-up."""
     model, text, _ = parts
 
     async def body():
-        # Steps big enough for four of the warm-up's whole clips (prompt 75 + 260 tokens = 670 frames).
-        token2wav = Token2Wav(model, max_batch=4, step_frames=4 * 670)
-        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), token2wav)
+        worker = Token2Wav(model, **token2wav)
+        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), worker)
         await pipeline.start(warm_up=True)
         try:
-            return token2wav.stats()
+            return worker.stats()
         finally:
             await pipeline.shutdown()
 
-    stats = loop.run_until_complete(body())
+    return loop.run_until_complete(body())
+
+
+def test_warm_up_runs_token2wav_at_every_power_of_two_batch(parts, loop):
+    # Steps big enough for four of the warm-up's whole clips (prompt 75 + 260 tokens = 670 frames).
+    stats = _warmed_up(parts, loop, max_batch=4, step_frames=4 * 670)
     assert stats.max_flow_batch == 4 and stats.jobs_done > 0
 
 
@@ -258,19 +263,8 @@ def test_the_warm_up_makes_its_streams_first_chunks_in_one_incremental_call(part
     together. (Given all their tokens at once, a stream queued its four chunks together, and a step's
     max_batch jobs held about a quarter as many streams: at max_batch 64 no incremental call passed
     19 rows on the tiny model.)"""
-    model, text, _ = parts
-
-    async def body():
-        # Recomputes of the warm-up's 670-frame jobs go 2 a call within 8 x 250 padded frames, so a
-        # flow call of 8 is an incremental one.
-        token2wav = Token2Wav(model, max_batch=8, flow_cache_bytes=64 << 20)
-        pipeline = Pipeline(model, text, TorchSpeechLM(model.lm), token2wav)
-        await pipeline.start(warm_up=True)
-        try:
-            return token2wav.stats()
-        finally:
-            await pipeline.shutdown()
-
-    stats = loop.run_until_complete(body())
+    # Recomputes of the warm-up's 670-frame jobs go 2 a call within 8 x 250 padded frames, so a flow
+    # call of 8 is an incremental one.
+    stats = _warmed_up(parts, loop, max_batch=8, flow_cache_bytes=64 << 20)
     assert stats.flow_cache_fallbacks == 0 and stats.incremental_jobs == 3 * (1 + 2 + 4 + 8)
     assert stats.max_flow_batch == 8
