@@ -19,7 +19,9 @@ from cosyapp.models.cosyvoice2 import TOKEN_MEL_RATIO, CosyVoice2
 class FlowSteps:
     """The flow of the worker's steps. ``cached`` is the incremental flow (None: every job recomputes
     its prefix, as upstream); the worker gives it its pool at start. flow_overlap and stream_priority:
-    as Token2Wav's."""
+    as Token2Wav's. max_rows: the most jobs of one recompute call (None: a mode's every job), for
+    steps whose bound is per call (scheduler.py ``max_batch_per_call``), where incremental jobs the
+    pool refuses join the recompute calls."""
 
     def __init__(
         self,
@@ -28,8 +30,10 @@ class FlowSteps:
         stats: Token2WavStats,
         flow_overlap: bool = False,
         stream_priority: int = 0,
+        max_rows: int | None = None,
     ):
         self.model, self.autocast_dtype, self.stats = model, autocast_dtype, stats
+        self.max_rows = max_rows
         self.flow_overlap, self.stream_priority = flow_overlap, stream_priority
         self.cached: CachedFlow | None = None
 
@@ -80,14 +84,17 @@ class FlowSteps:
         return beside
 
     def _recompute(self, jobs: list[Job]) -> None:
-        """One padded recompute call per (streaming, finalize) mode, each waited for (``_timed``)."""
+        """One padded recompute call per (streaming, finalize) mode and ``max_rows`` jobs, each waited
+        for (``_timed``)."""
         self.stats.recompute_jobs += len(jobs)
         groups: dict[tuple[bool, bool], list[Job]] = {}
         for job in jobs:
             groups.setdefault((job.streaming, job.finalize), []).append(job)
         for (streaming, finalize), group in groups.items():
             flow = functools.partial(self._flow_batch, streaming=streaming, finalize=finalize)
-            retry_in_halves(group, flow, lambda batch: batch, "flow")
+            size = self.max_rows or len(group)
+            for start in range(0, len(group), size):
+                retry_in_halves(group[start : start + size], flow, lambda batch: batch, "flow")
 
     def _incremental(self, jobs: list[Job], sync: bool = True) -> list[Job]:
         """Run the jobs the incremental flow takes, a round of at most one job per stream at a time

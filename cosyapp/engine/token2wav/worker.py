@@ -117,7 +117,8 @@ class Token2Wav:
         self.max_batch_per_call = max_batch_per_call
         self.gather_s, self.expect_s, self.fill_s = gather_ms / 1000, expect_ms / 1000, fill_ms / 1000
         self._stats = Token2WavStats()
-        self.flow = FlowSteps(model, autocast_dtype, self._stats, flow_overlap, stream_priority)
+        rows = max_batch if max_batch_per_call else None
+        self.flow = FlowSteps(model, autocast_dtype, self._stats, flow_overlap, stream_priority, rows)
         self._queue = self._new_queue()
         self._submitted = 0  # jobs ever submitted (written on the loop only)
         self.overlap_hift, self.stream_priority, self.hift_first = overlap_hift, stream_priority, hift_first
