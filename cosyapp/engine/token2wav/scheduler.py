@@ -12,11 +12,10 @@ longest job's frames, per flow group) stays within ``step_frames``, ``max_batch`
 ``max_batch_per_call``, ``max_batch`` rows in each flow call instead, so a step of incremental
 chunks and last-chunk recomputes may hold ``max_batch`` of each (at 256 streams on an H100 most
 flow calls had 21-33 rows with four times the served padded bound: docs/benchmarks/README.md,
-thirteenth round). The
-first job always fits, so a huge job runs in a step of its own instead of padding a whole batch of
-small ones to its length, and the next step is never further away than one bounded call
-(docs/model.md §8.6). A stream's
-jobs stay in order: once one is left for a later step, so are the stream's later jobs. While no
+thirteenth round). The first job always fits, so a huge job runs in a step of its own instead of
+padding a whole batch of small ones to its length, and the next step is never further away than one
+bounded call (docs/model.md §8.6). A stream's jobs stay in order: once one is left for a later
+step, so are the stream's later jobs. While no
 stream streams (none opened, ``open``, is live, and none ended in the last ``WHOLE_GRACE_S``: a
 streaming request opens each sentence's stream as the one before ends), only whole clips wait and no
 listener hears a gap: a step may then reach ``whole_step_frames``, whose larger calls cost less per
