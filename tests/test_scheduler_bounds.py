@@ -87,16 +87,20 @@ def test_max_batch_bounds_each_flow_call_with_max_batch_per_call(loop):
             queue.put(job)
         return jobs
 
+    def middle_and_last(queue):  # 4 middle chunks and 4 last chunks: two flow calls' worth
+        chunks(queue, False, 4)
+        chunks(queue, True, 4)
+
     def calls(batch):  # rows per flow call (the cost's group)
         return sorted(sum(1 for job in batch if job.finalize == f) for f in (False, True))
 
     # Without it, max_batch bounds the step's jobs: 4 of the 8, whichever calls they join.
     plain = JobQueue(4, 10_000, recompute_cost)
-    chunks(plain, False, 4), chunks(plain, True, 4)
+    middle_and_last(plain)
     assert len(plain.take()) == 4 and len(plain.take()) == 4
     # With it, each call's rows: 4 middle chunks and 4 last chunks in one step, as two calls of 4.
     queue = JobQueue(4, 10_000, recompute_cost, max_batch_per_call=True)
-    chunks(queue, False, 4), chunks(queue, True, 4)
+    middle_and_last(queue)
     assert calls(queue.take()) == [4, 4] and len(queue) == 0
     # A call never passes max_batch rows: 6 last chunks go as 4, then 2, and a stream left behind
     # keeps its later job for the next step.
@@ -107,7 +111,7 @@ def test_max_batch_bounds_each_flow_call_with_max_batch_per_call(loop):
     assert queue.take() == [jobs[4], jobs[5], later]  # the rounds of one step run them in turn
     # The padded bound still holds per call: 4 x 240 within 1000, a fifth would pass it.
     bounded = JobQueue(8, 1000, recompute_cost, max_batch_per_call=True)
-    chunks(bounded, False, 4), chunks(bounded, True, 4)
+    middle_and_last(bounded)
     assert calls(bounded.take()) == [4, 4]
     chunks(bounded, True, 5)
     assert calls(bounded.take()) == [0, 4]
